@@ -1,0 +1,1 @@
+"""deployments: filled in by the pipeline issue."""

@@ -1,0 +1,1 @@
+"""flows: filled in by the pipeline issue."""

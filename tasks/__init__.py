@@ -1,0 +1,1 @@
+"""tasks: filled in by the pipeline issue."""

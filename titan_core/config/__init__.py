@@ -1,0 +1,5 @@
+"""Job configuration: the schema (``job``) and how CLI/TOML/registry resolve into it (``manager``)."""
+
+from titan_core.config.job import JobConfig
+
+__all__ = ["JobConfig"]

@@ -1,0 +1,427 @@
+"""The one description of a job: nested kw-only dataclasses, one per component.
+
+Every field carries a one-line docstring (shown by ``--help``). CLI flags, TOML files, registry
+functions and later Prefect/MLflow views are all projections of ``JobConfig``. User errors raise
+``ConfigError`` (a ``ValueError``) naming the key path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from titan_core.errors import ConfigError
+
+DTypeName = Literal["float32", "bfloat16", "float16"]
+
+
+def _require(cond: bool, key: str, expected: str, got: object) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: expected {expected}, got {got!r}")
+
+
+@dataclass(kw_only=True)
+class Job:
+    """Where a job writes and how it is described."""
+
+    config_file: str = ""
+    """TOML file whose values override the registry config (CLI overrides win over it)."""
+    dump_folder: str = "./outputs"
+    """Root folder or fsspec URL for checkpoints, traces, snapshots and metrics of this job."""
+    description: str = "titan training job"
+    """Free-text description recorded with the resolved config."""
+    print_config: bool = False
+    """Log the resolved config as TOML at start-up."""
+    save_config: bool = True
+    """Write the resolved config to <dump_folder>/config.toml before training."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.dump_folder), "job.dump_folder", "a non-empty path or URL", "")
+
+
+@dataclass(kw_only=True)
+class Model:
+    """Which model and flavor to build."""
+
+    name: str = "llama3"
+    """Model family, a key of the model registry."""
+    flavor: str = "debugmodel"
+    """Size preset of the family (e.g. debugmodel, 1B, 3B, 8B, 70B, 405B)."""
+    vocab_size: int = -1
+    """Vocabulary size; -1 takes it from the tokenizer (or the flavor when none is loaded)."""
+    n_layers: int = -1
+    """Override the flavor's number of layers; -1 keeps the flavor's."""
+    max_seq_len: int = -1
+    """Override the RoPE table length; -1 uses max(flavor's, training.seq_len)."""
+
+    def __post_init__(self) -> None:
+        _require(self.vocab_size == -1 or self.vocab_size > 0, "model.vocab_size", "-1 or > 0",
+                 self.vocab_size)
+        _require(self.n_layers == -1 or self.n_layers > 0, "model.n_layers", "-1 or > 0",
+                 self.n_layers)
+
+
+@dataclass(kw_only=True)
+class Tokenizer:
+    """Where the tokenizer comes from."""
+
+    path: str = ""
+    """tiktoken ranks file; empty means the project's bundled offline BPE (built at set-up)."""
+
+
+@dataclass(kw_only=True)
+class Training:
+    """Data, batch shape, step count and numerics of the training loop."""
+
+    dataset: str = "titan_corpus"
+    """Registered dataset name, a local .txt/.jsonl file or folder, or a Hugging Face dataset."""
+    dataset_path: str = ""
+    """Optional path overriding where a registered dataset is read from."""
+    dataset_split: str = "train"
+    """Split to read for training (Hugging Face datasets)."""
+    dataset_text_field: str = "text"
+    """Field holding the text in json/jsonl/Hugging Face rows."""
+    dataset_streaming: bool = True
+    """Stream Hugging Face datasets instead of downloading them whole."""
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated before each optimizer step."""
+    seq_len: int = 256
+    """Tokens per packed sequence."""
+    steps: int = 100
+    """Optimizer steps to train for (the total, counting steps done before a resume)."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    mixed_precision_param: DTypeName = "float32"
+    """Dtype of parameters in forward/backward under FSDP (bfloat16 on GPUs)."""
+    mixed_precision_reduce: DTypeName = "float32"
+    """Dtype of gradient reduction under FSDP."""
+    autocast_dtype: DTypeName = "float32"
+    """Autocast dtype for the forward pass when FSDP is off; float32 disables autocast."""
+    gc_freq: int = 50
+    """Run Python's garbage collector every N steps (it is disabled in between)."""
+
+    def __post_init__(self) -> None:
+        for key in ("local_batch_size", "gradient_accumulation_steps", "seq_len", "steps"):
+            value = getattr(self, key)
+            _require(isinstance(value, int) and value > 0, f"training.{key}", "an int > 0", value)
+        _require(self.max_norm >= 0, "training.max_norm", ">= 0", self.max_norm)
+        _require(self.gc_freq > 0, "training.gc_freq", "an int > 0", self.gc_freq)
+        _require(bool(self.dataset), "training.dataset", "a dataset name or path", "")
+
+
+@dataclass(kw_only=True)
+class Optimizer:
+    """AdamW settings."""
+
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class from torch.optim."""
+    lr: float = 8e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """First-moment decay."""
+    beta2: float = 0.95
+    """Second-moment decay."""
+    eps: float = 1e-8
+    """Denominator epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """Kernel implementation: for-loop, foreach (default) or fused."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optimizer.lr", "> 0", self.lr)
+        _require(0 <= self.beta1 < 1, "optimizer.beta1", "in [0, 1)", self.beta1)
+        _require(0 <= self.beta2 < 1, "optimizer.beta2", "in [0, 1)", self.beta2)
+        _require(self.weight_decay >= 0, "optimizer.weight_decay", ">= 0", self.weight_decay)
+
+
+@dataclass(kw_only=True)
+class LRScheduler:
+    """Linear warmup, then a stable phase and decay to a minimum (WSD covers all shapes)."""
+
+    warmup_steps: int = 10
+    """Steps of linear warmup from lr*1/(warmup+1) to the peak lr."""
+    decay_ratio: float = -1.0
+    """Fraction of steps spent decaying (WSD); -1 decays over all steps after warmup."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay: linear, sqrt or cosine."""
+    min_lr_factor: float = 0.0
+    """Final lr as a fraction of the peak lr."""
+
+    def __post_init__(self) -> None:
+        _require(self.warmup_steps >= 0, "lr_scheduler.warmup_steps", ">= 0", self.warmup_steps)
+        _require(self.decay_ratio == -1.0 or 0.0 <= self.decay_ratio <= 1.0,
+                 "lr_scheduler.decay_ratio", "-1 or a value in [0, 1]", self.decay_ratio)
+        _require(0.0 <= self.min_lr_factor <= 1.0, "lr_scheduler.min_lr_factor", "in [0, 1]",
+                 self.min_lr_factor)
+
+
+@dataclass(kw_only=True)
+class Parallelism:
+    """Parallel degrees; their product must equal the world size."""
+
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the model (DDP-style, the outer dim of HSDP)."""
+    data_parallel_shard_degree: int = -1
+    """FSDP shard degree; -1 uses the ranks left over by the other degrees."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered params after forward: default = always unless pipeline parallel is on."""
+    tensor_parallel_degree: int = 1
+    """Tensor (and sequence) parallel degree."""
+    disable_loss_parallel: bool = False
+    """Compute the loss on gathered logits instead of vocab-sharded ones under TP."""
+    enable_async_tensor_parallel: bool = False
+    """Overlap TP communication with compute (CUDA and compile only)."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages across ranks."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble)."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline microbatch."""
+    pipeline_parallel_layers_per_stage: int = -1
+    """Layers per virtual stage; -1 gives one stage per rank (two for looped schedules)."""
+    pipeline_parallel_split_points: list[str] = field(default_factory=list)
+    """Explicit module names where new stages begin (e.g. layers.4); overrides layers_per_stage."""
+    context_parallel_degree: int = 1
+    """Context parallel degree (ring attention along the sequence)."""
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How K/V shards rotate between context-parallel ranks."""
+
+    def __post_init__(self) -> None:
+        for key in ("data_parallel_replicate_degree", "tensor_parallel_degree",
+                    "pipeline_parallel_degree", "context_parallel_degree",
+                    "pipeline_parallel_microbatch_size"):
+            value = getattr(self, key)
+            _require(value >= 1, f"parallelism.{key}", "an int >= 1", value)
+        _require(self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
+                 "parallelism.data_parallel_shard_degree", "-1 or an int >= 1",
+                 self.data_parallel_shard_degree)
+
+
+@dataclass(kw_only=True)
+class Checkpoint:
+    """Distributed checkpoints (DCP): when to save, what to keep, what to load."""
+
+    enable: bool = False
+    """Save and load checkpoints."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder (or an absolute path/URL)."""
+    interval: int = 500
+    """Save every N steps (and always at the last step)."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """Block on saves, save in a background thread, or stage through pinned memory first."""
+    keep_latest_k: int = 10
+    """Keep the newest K complete step checkpoints; 0 keeps all."""
+    model_weights_only: bool = False
+    """Save only model weights (no optimizer, scheduler, dataloader or train state)."""
+    export_dtype: DTypeName = "float32"
+    """Dtype of model weights in model-only saves."""
+    last_save_model_only: bool = True
+    """Make the final save model-only (in export_dtype)."""
+    load_step: int = -1
+    """Load this step; -1 loads the newest complete one."""
+    initial_load_path: str = ""
+    """Checkpoint to load model weights from when the folder holds none yet."""
+    initial_load_model_only: bool = True
+    """Load only the model part of initial_load_path."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """State keys not to restore (model, optimizer, lr_scheduler, dataloader, train_state)."""
+    create_seed_checkpoint: bool = False
+    """Initialize the model, save it as the seed checkpoint and exit (all degrees must be 1)."""
+    load_only: bool = False
+    """Load checkpoints but never save any."""
+
+    def __post_init__(self) -> None:
+        _require(self.interval > 0, "checkpoint.interval", "an int > 0", self.interval)
+        _require(self.keep_latest_k == 0 or self.keep_latest_k >= 2, "checkpoint.keep_latest_k",
+                 "0 (keep all) or >= 2", self.keep_latest_k)
+        _require(self.load_step >= -1, "checkpoint.load_step", ">= -1", self.load_step)
+        allowed = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+        unknown = sorted(set(self.exclude_from_loading) - allowed)
+        _require(not unknown, "checkpoint.exclude_from_loading",
+                 f"names among {sorted(allowed)}", unknown)
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpoint:
+    """Trade compute for memory by recomputing activations in backward."""
+
+    mode: Literal["none", "full", "selective"] = "none"
+    """none, full (every block), or selective (see selective_ac_option)."""
+    selective_ac_option: str = "op"
+    """'op' saves the outputs of expensive ops; an int N checkpoints every N-th block."""
+    preserve_rng_state: bool = False
+    """Stash and restore RNG state around recomputation (needed with dropout)."""
+    determinism_check: Literal["default", "none"] = "default"
+    """Check that recomputed tensors match the originals (torch.utils.checkpoint)."""
+    debug: bool = False
+    """Record and print the recomputed op trace on mismatch."""
+
+    def __post_init__(self) -> None:
+        option = self.selective_ac_option
+        _require(option == "op" or (option.isdigit() and int(option) > 0),
+                 "activation_checkpoint.selective_ac_option", "'op' or a positive int", option)
+
+
+@dataclass(kw_only=True)
+class Compile:
+    """torch.compile of model blocks and/or the loss."""
+
+    enable: bool = False
+    """Compile each transformer block (and the loss) with torch.compile."""
+    components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile when enabled."""
+    backend: str = "inductor"
+    """torch.compile backend."""
+
+
+@dataclass(kw_only=True)
+class Float8:
+    """float8 training through torchao (CUDA, SM89+)."""
+
+    enable_fsdp_float8_all_gather: bool = False
+    """All-gather FSDP params in float8."""
+    recipe_name: Literal["", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = ""
+    """torchao float8 recipe; empty disables float8."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear modules (by name fragment) kept in high precision."""
+
+
+@dataclass(kw_only=True)
+class Comm:
+    """Process-group and collective settings."""
+
+    init_timeout_seconds: int = 300
+    """Timeout for process-group initialization."""
+    train_timeout_seconds: int = 100
+    """Collective timeout after the first step."""
+    trace_buf_size: int = 20000
+    """Flight-recorder entries per rank; 0 disables the recorder."""
+    mode: Literal["default", "fake_backend", "local_tensor"] = "default"
+    """default, fake_backend (dry run, fake collectives), local_tensor (simulate all ranks)."""
+
+
+@dataclass(kw_only=True)
+class Profiling:
+    """torch profiler traces and memory snapshots."""
+
+    enable_profiling: bool = False
+    """Write torch profiler traces every profile_freq steps."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, relative to job.dump_folder."""
+    profile_freq: int = 10
+    """Steps between traces and snapshots."""
+    profiler_active: int = 1
+    """Steps recorded per trace."""
+    profiler_warmup: int = 3
+    """Warm-up steps before each recorded window."""
+    enable_memory_snapshot: bool = False
+    """Write memory snapshots every profile_freq steps (a CPU memory report on CPU)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Snapshot folder, relative to job.dump_folder."""
+
+    def __post_init__(self) -> None:
+        _require(self.profile_freq > 0, "profiling.profile_freq", "an int > 0", self.profile_freq)
+        _require(self.profiler_active > 0, "profiling.profiler_active", "an int > 0",
+                 self.profiler_active)
+        _require(0 <= self.profiler_warmup < self.profile_freq, "profiling.profiler_warmup",
+                 "in [0, profile_freq)", self.profiler_warmup)
+
+
+@dataclass(kw_only=True)
+class Metrics:
+    """What to log, how often, and where."""
+
+    log_freq: int = 10
+    """Log metrics every N steps."""
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to job.dump_folder."""
+    enable_jsonl: bool = True
+    """Append each logged step to <dump_folder>/metrics.jsonl."""
+    color: Literal["auto", "always", "never"] = "auto"
+    """Colour the console line: auto (when a terminal), always or never."""
+    cpu_peak_tflops: float = 0.0
+    """Peak TFLOP/s used for MFU on CPU; 0 measures a matmul peak at start-up."""
+    device_peak_tflops: float = 0.0
+    """Override the GPU peak TFLOP/s used for MFU; 0 looks it up by device name."""
+
+    def __post_init__(self) -> None:
+        _require(self.log_freq > 0, "metrics.log_freq", "an int > 0", self.log_freq)
+
+
+@dataclass(kw_only=True)
+class Validation:
+    """Periodic held-out loss."""
+
+    enable: bool = False
+    """Compute validation loss every freq steps."""
+    dataset: str = ""
+    """Validation dataset; empty uses training.dataset's validation split."""
+    dataset_split: str = "validation"
+    """Split to read when dataset is a Hugging Face dataset or the bundled corpus."""
+    freq: int = 50
+    """Validate every N steps (and at the last step)."""
+    steps: int = 8
+    """Batches per validation run."""
+    local_batch_size: int = -1
+    """Batch size for validation; -1 uses training.local_batch_size."""
+
+    def __post_init__(self) -> None:
+        _require(self.freq > 0, "validation.freq", "an int > 0", self.freq)
+        _require(self.steps > 0, "validation.steps", "an int > 0", self.steps)
+
+
+@dataclass(kw_only=True)
+class Debug:
+    """Reproducibility and debugging switches."""
+
+    seed: int = 42
+    """Seed for parameter init and every RNG."""
+    deterministic: bool = False
+    """Use deterministic algorithms only (and seed every rank identically)."""
+    deterministic_warn_only: bool = False
+    """Warn instead of failing on ops without a deterministic implementation."""
+    num_threads: int = 0
+    """torch intra-op threads; 0 keeps torch's default."""
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Root of the job configuration."""
+
+    job: Job = field(default_factory=Job)
+    """Job identity and output folder."""
+    model: Model = field(default_factory=Model)
+    """Model family and flavor."""
+    tokenizer: Tokenizer = field(default_factory=Tokenizer)
+    """Tokenizer source."""
+    training: Training = field(default_factory=Training)
+    """Training data, shapes and numerics."""
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    """Optimizer."""
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    """Learning-rate schedule."""
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    """Parallel degrees."""
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    """Checkpointing."""
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    """Activation checkpointing."""
+    compile: Compile = field(default_factory=Compile)
+    """torch.compile."""
+    float8: Float8 = field(default_factory=Float8)
+    """float8 training."""
+    comm: Comm = field(default_factory=Comm)
+    """Collectives and process groups."""
+    profiling: Profiling = field(default_factory=Profiling)
+    """Profiler traces and memory snapshots."""
+    metrics: Metrics = field(default_factory=Metrics)
+    """Metrics logging."""
+    validation: Validation = field(default_factory=Validation)
+    """Validation loss."""
+    debug: Debug = field(default_factory=Debug)
+    """Seeds and determinism."""
