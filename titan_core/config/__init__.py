@@ -1,4 +1,4 @@
-"""Job configuration: the schema (``job``) and how CLI/TOML/registry resolve into it (``manager``)."""
+"""Job configuration: the schema (``job``) and how CLI/TOML/registry resolve into it."""
 
 from titan_core.config.job import JobConfig
 

@@ -55,10 +55,15 @@ class Model:
     """Override the RoPE table length; -1 uses max(flavor's, training.seq_len)."""
 
     def __post_init__(self) -> None:
-        _require(self.vocab_size == -1 or self.vocab_size > 0, "model.vocab_size", "-1 or > 0",
-                 self.vocab_size)
-        _require(self.n_layers == -1 or self.n_layers > 0, "model.n_layers", "-1 or > 0",
-                 self.n_layers)
+        _require(
+            self.vocab_size == -1 or self.vocab_size > 0,
+            "model.vocab_size",
+            "-1 or > 0",
+            self.vocab_size,
+        )
+        _require(
+            self.n_layers == -1 or self.n_layers > 0, "model.n_layers", "-1 or > 0", self.n_layers
+        )
 
 
 @dataclass(kw_only=True)
@@ -152,10 +157,18 @@ class LRScheduler:
 
     def __post_init__(self) -> None:
         _require(self.warmup_steps >= 0, "lr_scheduler.warmup_steps", ">= 0", self.warmup_steps)
-        _require(self.decay_ratio == -1.0 or 0.0 <= self.decay_ratio <= 1.0,
-                 "lr_scheduler.decay_ratio", "-1 or a value in [0, 1]", self.decay_ratio)
-        _require(0.0 <= self.min_lr_factor <= 1.0, "lr_scheduler.min_lr_factor", "in [0, 1]",
-                 self.min_lr_factor)
+        _require(
+            self.decay_ratio == -1.0 or 0.0 <= self.decay_ratio <= 1.0,
+            "lr_scheduler.decay_ratio",
+            "-1 or a value in [0, 1]",
+            self.decay_ratio,
+        )
+        _require(
+            0.0 <= self.min_lr_factor <= 1.0,
+            "lr_scheduler.min_lr_factor",
+            "in [0, 1]",
+            self.min_lr_factor,
+        )
 
 
 @dataclass(kw_only=True)
@@ -177,7 +190,7 @@ class Parallelism:
     pipeline_parallel_degree: int = 1
     """Pipeline stages across ranks."""
     pipeline_parallel_schedule: str = "1F1B"
-    """Pipeline schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble)."""
+    """Schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble."""
     pipeline_parallel_microbatch_size: int = 1
     """Sequences per pipeline microbatch."""
     pipeline_parallel_layers_per_stage: int = -1
@@ -190,14 +203,21 @@ class Parallelism:
     """How K/V shards rotate between context-parallel ranks."""
 
     def __post_init__(self) -> None:
-        for key in ("data_parallel_replicate_degree", "tensor_parallel_degree",
-                    "pipeline_parallel_degree", "context_parallel_degree",
-                    "pipeline_parallel_microbatch_size"):
+        for key in (
+            "data_parallel_replicate_degree",
+            "tensor_parallel_degree",
+            "pipeline_parallel_degree",
+            "context_parallel_degree",
+            "pipeline_parallel_microbatch_size",
+        ):
             value = getattr(self, key)
             _require(value >= 1, f"parallelism.{key}", "an int >= 1", value)
-        _require(self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
-                 "parallelism.data_parallel_shard_degree", "-1 or an int >= 1",
-                 self.data_parallel_shard_degree)
+        _require(
+            self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
+            "parallelism.data_parallel_shard_degree",
+            "-1 or an int >= 1",
+            self.data_parallel_shard_degree,
+        )
 
 
 @dataclass(kw_only=True)
@@ -235,13 +255,21 @@ class Checkpoint:
 
     def __post_init__(self) -> None:
         _require(self.interval > 0, "checkpoint.interval", "an int > 0", self.interval)
-        _require(self.keep_latest_k == 0 or self.keep_latest_k >= 2, "checkpoint.keep_latest_k",
-                 "0 (keep all) or >= 2", self.keep_latest_k)
+        _require(
+            self.keep_latest_k == 0 or self.keep_latest_k >= 2,
+            "checkpoint.keep_latest_k",
+            "0 (keep all) or >= 2",
+            self.keep_latest_k,
+        )
         _require(self.load_step >= -1, "checkpoint.load_step", ">= -1", self.load_step)
         allowed = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
         unknown = sorted(set(self.exclude_from_loading) - allowed)
-        _require(not unknown, "checkpoint.exclude_from_loading",
-                 f"names among {sorted(allowed)}", unknown)
+        _require(
+            not unknown,
+            "checkpoint.exclude_from_loading",
+            f"names among {sorted(allowed)}",
+            unknown,
+        )
 
 
 @dataclass(kw_only=True)
@@ -261,8 +289,12 @@ class ActivationCheckpoint:
 
     def __post_init__(self) -> None:
         option = self.selective_ac_option
-        _require(option == "op" or (option.isdigit() and int(option) > 0),
-                 "activation_checkpoint.selective_ac_option", "'op' or a positive int", option)
+        _require(
+            option == "op" or (option.isdigit() and int(option) > 0),
+            "activation_checkpoint.selective_ac_option",
+            "'op' or a positive int",
+            option,
+        )
 
 
 @dataclass(kw_only=True)
@@ -324,10 +356,18 @@ class Profiling:
 
     def __post_init__(self) -> None:
         _require(self.profile_freq > 0, "profiling.profile_freq", "an int > 0", self.profile_freq)
-        _require(self.profiler_active > 0, "profiling.profiler_active", "an int > 0",
-                 self.profiler_active)
-        _require(0 <= self.profiler_warmup < self.profile_freq, "profiling.profiler_warmup",
-                 "in [0, profile_freq)", self.profiler_warmup)
+        _require(
+            self.profiler_active > 0,
+            "profiling.profiler_active",
+            "an int > 0",
+            self.profiler_active,
+        )
+        _require(
+            0 <= self.profiler_warmup < self.profile_freq,
+            "profiling.profiler_warmup",
+            "in [0, profile_freq)",
+            self.profiler_warmup,
+        )
 
 
 @dataclass(kw_only=True)

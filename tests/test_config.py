@@ -1,0 +1,441 @@
+"""Config resolution: defaults < registry < TOML < CLI; one-line errors; round trips; --help."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from titan_core.config import manager
+from titan_core.config.job import JobConfig
+from titan_core.config.manager import (
+    ConfigManager,
+    flatten,
+    load_toml,
+    parse_args,
+    to_dict,
+    to_toml,
+    validate,
+)
+from titan_core.errors import ConfigError
+from titan_core.models.llama3 import config_registry
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = ["--module", "llama3", "--config", "llama3_debugmodel"]
+REGISTRY_NAMES = sorted(
+    name
+    for name, fn in inspect.getmembers(config_registry, inspect.isfunction)
+    if fn.__module__ == config_registry.__name__ and not name.startswith("_")
+)
+
+
+def write(tmp_path: Path, text: str, name: str = "run.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def config_error(argv: list[str]) -> str:
+    """The message of the ConfigError that ``argv`` raises; asserts it is one line."""
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def run_manager(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "80"}  # wider terminals get a multi-column help
+    return subprocess.run(
+        [sys.executable, "-m", "titan_core.config.manager", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
+
+
+# -- precedence ----------------------------------------------------------------------------------
+
+
+def test_no_arguments_gives_the_dataclass_defaults() -> None:
+    assert parse_args([]) == JobConfig()
+
+
+def test_each_layer_overrides_the_one_before(tmp_path: Path) -> None:
+    toml = write(tmp_path, "[training]\nsteps = 300\nseq_len = 128\n[optimizer]\nlr = 1e-3\n")
+    cfg = parse_args([*DEBUG, "--job.config_file", toml, "--training.steps", "400"])
+    assert cfg.training.gc_freq == JobConfig().training.gc_freq == 50  # default layer
+    assert cfg.checkpoint.interval == 50 and cfg.model.flavor == "debugmodel"  # registry layer
+    assert cfg.training.seq_len == 128 and cfg.optimizer.lr == 1e-3  # TOML over registry
+    assert cfg.training.steps == 400  # CLI over TOML
+    assert cfg.job.config_file == toml
+
+
+def test_registry_layer_alone() -> None:
+    cfg = parse_args(DEBUG)
+    assert cfg == config_registry.llama3_debugmodel()
+    assert cfg.training.steps == 200 and cfg.lr_scheduler.decay_type == "cosine"
+
+
+def test_toml_without_registry_starts_from_defaults(tmp_path: Path) -> None:
+    toml = write(tmp_path, "[training]\nsteps = 30\n")
+    cfg = parse_args(["--job.config_file", toml, "--optimizer.lr", "0.01"])
+    assert cfg.training.steps == 30 and cfg.optimizer.lr == 0.01
+    assert cfg.model.flavor == JobConfig().model.flavor
+
+
+def test_toml_accepts_int_for_float_and_hyphenated_keys(tmp_path: Path) -> None:
+    toml = write(tmp_path, "[optimizer]\nlr = 1\n[training]\nlocal-batch-size = 3\n")
+    cfg = load_toml(toml, JobConfig())
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.training.local_batch_size == 3
+
+
+def test_toml_from_an_fsspec_url() -> None:
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/test_config/run.toml", b"[training]\nsteps = 12\n")
+    try:
+        assert (
+            parse_args(["--job.config_file", "memory://test_config/run.toml"]).training.steps == 12
+        )
+    finally:
+        fs.rm("/test_config", recursive=True)
+
+
+def test_load_toml_does_not_mutate_base(tmp_path: Path) -> None:
+    base = JobConfig()
+    load_toml(write(tmp_path, "[checkpoint]\nexclude_from_loading = ['optimizer']\n"), base)
+    assert base == JobConfig()
+
+
+# -- CLI syntax ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--training.local-batch-size", "4"],
+        ["--training.local_batch_size", "4"],
+        ["--training.local-batch-size=4"],
+        ["--training.local_batch_size=4"],
+        ["--training.local_batch_size", "7", "--training.local-batch-size", "4"],
+    ],
+)
+def test_hyphens_underscores_and_equals_are_interchangeable(argv: list[str]) -> None:
+    assert parse_args(argv).training.local_batch_size == 4
+
+
+def test_boolean_flags() -> None:
+    assert parse_args(["--profiling.enable_memory_snapshot"]).profiling.enable_memory_snapshot
+    assert parse_args(["--profiling.enable-memory-snapshot"]).profiling.enable_memory_snapshot
+    for flag in ["--training.no_dataset_streaming", "--training.no-dataset-streaming"]:
+        assert parse_args([flag]).training.dataset_streaming is False
+    argv = ["--profiling.enable_memory_snapshot", "--profiling.no-enable-memory-snapshot"]
+    assert parse_args(argv).profiling.enable_memory_snapshot is False
+
+
+def test_no_flag_overrides_a_true_registry_value() -> None:
+    assert parse_args([*DEBUG, "--checkpoint.no-enable"]).checkpoint.enable is False
+
+
+def test_boolean_with_a_value_is_refused() -> None:
+    expected = (
+        "--profiling.enable_memory_snapshot=False: boolean options are flags; use "
+        "--profiling.no_enable_memory_snapshot (or --profiling.enable_memory_snapshot to enable)"
+    )
+    assert config_error(["--profiling.enable_memory_snapshot=False"]) == expected
+    assert expected in (REPO / "docs" / "configuration.md").read_text()
+    for argv in (
+        ["--profiling.enable_memory_snapshot=True"],
+        ["--profiling.enable-memory-snapshot=0"],
+        ["--profiling.no_enable_memory_snapshot=1"],
+        ["--profiling.enable_memory_snapshot", "False"],
+    ):
+        assert "boolean options are flags" in config_error(argv)
+
+
+def test_lists() -> None:
+    argv = ["--checkpoint.exclude_from_loading", "optimizer", "dataloader"]
+    assert parse_args(argv).checkpoint.exclude_from_loading == ["optimizer", "dataloader"]
+    for argv in (
+        ["--checkpoint.exclude-from-loading=optimizer,dataloader"],
+        ["--checkpoint.exclude-from-loading", "optimizer,dataloader", "--training.steps", "3"],
+    ):
+        assert parse_args(argv).checkpoint.exclude_from_loading == ["optimizer", "dataloader"]
+    assert parse_args(["--compile.components", "loss"]).compile.components == ["loss"]
+    assert parse_args(["--compile.components"]).compile.components == []
+    assert parse_args(["--float8.filter_fqns="]).float8.filter_fqns == []
+    message = config_error(["--compile.components", "model", "optimizer"])
+    assert message == (
+        "--compile.components: expected a list of values, each one of 'model', 'loss', "
+        "got 'optimizer'"
+    )
+
+
+def test_values_that_look_like_flags_or_hold_equals_signs() -> None:
+    cfg = parse_args(
+        ["--job.description", "-x", "--model.n_layers", "-1", "--job.dump_folder=s3://b/k=v"]
+    )
+    assert cfg.job.description == "-x" and cfg.model.n_layers == -1
+    assert cfg.job.dump_folder == "s3://b/k=v"
+    assert parse_args(["--float8.recipe_name="]).float8.recipe_name == ""
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def test_unknown_cli_option_suggests_close_keys() -> None:
+    message = config_error(["--training.stepz", "3"])
+    assert message.startswith("unknown option --training.stepz; did you mean --training.steps")
+    assert "--training.steps" in config_error(["--steps", "3"])
+    assert "see --help" in config_error(["--nothing.like_this", "3"])
+
+
+def test_stray_value_is_an_error() -> None:
+    message = config_error(["--training.steps", "3", "4"])
+    assert message.startswith("unexpected argument '4' after --training.steps")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--training.steps", "abc"], "--training.steps: expected an int, got 'abc'"),
+        (["--training.steps=1.5"], "--training.steps: expected an int, got '1.5'"),
+        (["--optimizer.lr", "fast"], "--optimizer.lr: expected a float, got 'fast'"),
+        (
+            ["--optimizer.name", "SGD"],
+            "--optimizer.name: expected one of 'AdamW', 'Adam', got 'SGD'",
+        ),
+        (["--training.steps"], "--training.steps: expected a value (an int)"),
+    ],
+)
+def test_wrong_cli_type(argv: list[str], expected: str) -> None:
+    assert config_error(argv) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[training]\nsteps = "ten"\n', "training.steps: expected an int, got 'ten'"),
+        ("[training]\nsteps = true\n", "training.steps: expected an int, got True"),
+        ('[optimizer]\nlr = "1e-3"\n', "optimizer.lr: expected a float, got '1e-3'"),
+        ("[job]\nprint_config = 1\n", "job.print_config: expected true or false, got 1"),
+        ('[lr_scheduler]\ndecay_type = "exp"\n', "expected one of 'linear', 'sqrt', 'cosine'"),
+        ('[compile]\ncomponents = "model"\n', "compile.components: expected a list of values"),
+        ("training = 3\n", "training must be a [training] table, got 3"),
+    ],
+)
+def test_wrong_toml_type(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text)
+    message = config_error(["--job.config_file", path])
+    assert message.startswith(f"{path}: ") and expected in message
+
+
+def test_unknown_toml_keys_suggest_close_keys(tmp_path: Path) -> None:
+    path = write(tmp_path, "[training]\nstepz = 3\n")
+    message = config_error(["--job.config_file", path])
+    assert message.startswith(f"{path}: unknown key training.stepz; did you mean training.steps")
+    path = write(tmp_path, "[trainin]\nsteps = 3\n")
+    assert config_error(["--job.config_file", path]).endswith(
+        "unknown section [trainin]; did you mean [training]?"
+    )
+    path = write(tmp_path, "steps = 3\n")
+    assert "outside any [section] table; did you mean training.steps" in config_error(
+        ["--job.config_file", path]
+    )
+
+
+def test_malformed_toml_names_file_and_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "[training]\nsteps = 3\nseq_len = \n")
+    message = config_error(["--job.config_file", path])
+    assert message.startswith(f"{path}: invalid TOML:") and "line 3" in message
+
+
+def test_missing_toml_file(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.toml")
+    assert config_error(["--job.config_file", missing]) == f"config file not found: {missing}"
+    assert "is a directory" in config_error(["--job.config_file", str(tmp_path)])
+
+
+def test_post_init_errors_propagate_with_the_key_path(tmp_path: Path) -> None:
+    assert config_error(["--training.steps", "0"]) == "training.steps: expected an int > 0, got 0"
+    assert config_error(["--optimizer.lr=-1"]) == "optimizer.lr: expected > 0, got -1.0"
+    assert config_error(["--checkpoint.exclude_from_loading", "weights"]).startswith(
+        "checkpoint.exclude_from_loading: expected names among"
+    )
+    path = write(tmp_path, "[profiling]\nprofile_freq = 2\nprofiler_warmup = 5\n")
+    assert config_error(["--job.config_file", path]).startswith("profiling.profiler_warmup:")
+
+
+def test_registry_errors_list_the_choices() -> None:
+    message = config_error(["--module", "llama3", "--config", "llama3_9b"])
+    assert message.startswith("--config 'llama3_9b': not in titan_core.models.llama3")
+    assert "llama3_8b" in message and "llama3_debugmodel_tiny" in message
+    assert "_llama3_gpu_recipe" not in message
+    assert config_error(["--module=gpt", "--config=x"]) == (
+        "--module 'gpt': unknown model module; choices: llama3"
+    )
+    assert "go together" in config_error(["--module", "llama3"])
+    assert config_error(["--config"]) == "--config expects a value"
+
+
+def test_validate_type_checks_and_reruns_post_init() -> None:
+    cfg = JobConfig()
+    cfg.training.steps = "10"  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match=r"^training\.steps: expected an int, got '10'$"):
+        validate(cfg)
+    cfg = JobConfig()
+    cfg.validation.freq = 0
+    with pytest.raises(ConfigError, match=r"^validation\.freq: expected an int > 0"):
+        validate(cfg)
+
+
+# -- registry ------------------------------------------------------------------------------------
+
+
+def test_registry_recipes() -> None:
+    from titan_core.models.llama3 import llama3_flavors
+
+    assert set(REGISTRY_NAMES) >= {
+        "llama3_debugmodel",
+        "llama3_debugmodel_tiny",
+        "llama3_1b",
+        "llama3_3b",
+        "llama3_8b",
+        "llama3_70b",
+        "llama3_405b",
+    }
+    for name in REGISTRY_NAMES:
+        assert getattr(config_registry, name)().model.flavor in llama3_flavors, name
+    debug = config_registry.llama3_debugmodel()
+    assert (debug.training.local_batch_size, debug.training.seq_len) == (8, 256)
+    assert (debug.checkpoint.interval, debug.checkpoint.keep_latest_k) == (50, 3)
+    assert (debug.validation.freq, debug.validation.steps) == (50, 4)
+    tiny = config_registry.llama3_debugmodel_tiny().training
+    assert (tiny.local_batch_size, tiny.seq_len, tiny.steps) == (4, 64, 20)
+    big = config_registry.llama3_8b()
+    assert (big.training.seq_len, big.optimizer.lr) == (8192, 3e-4)
+    assert big.activation_checkpoint.mode == "selective"
+    assert big.training.mixed_precision_param == "bfloat16"
+    assert config_registry.llama3_70b().parallelism.tensor_parallel_degree == 8
+    assert config_registry.llama3_405b().compile.enable
+
+
+# -- outputs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", REGISTRY_NAMES)
+def test_toml_round_trip_of_every_registry_config(tmp_path: Path, name: str) -> None:
+    cfg = parse_args(["--module", "llama3", "--config", name, "--training.steps", "11"])
+    path = write(tmp_path, to_toml(cfg))
+    again = parse_args(["--job.config_file", path])
+    assert again == dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, config_file=path))
+    assert tomllib.loads(to_toml(cfg)) == to_dict(cfg)
+
+
+def test_flatten_has_a_scalar_per_field() -> None:
+    cfg = parse_args(["--checkpoint.exclude_from_loading", "optimizer", "dataloader"])
+    flat = flatten(cfg)
+    expected_keys = {
+        f"{section}.{name}" for section, table in to_dict(cfg).items() for name in table
+    }
+    assert set(flat) == expected_keys
+    assert flat["training.steps"] == 100 and flat["optimizer.name"] == "AdamW"
+    assert flat["checkpoint.exclude_from_loading"] == "optimizer,dataloader"
+    assert all(isinstance(v, bool | int | float | str) for v in flat.values())
+
+
+def test_main_prints_toml_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    assert manager.main(["--training.steps", "5"]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["training"]["steps"] == 5
+    assert manager.main(["--training.steps", "x"]) == 2
+    assert capsys.readouterr().err == "error: --training.steps: expected an int, got 'x'\n"
+
+
+def test_config_manager_class_matches_module_function() -> None:
+    argv = [*DEBUG, "--training.steps", "9"]
+    assert ConfigManager().parse_args(argv) == parse_args(argv)
+
+
+def test_subprocess_prints_resolved_toml() -> None:
+    result = run_manager("--module", "llama3", "--config", "llama3_8b", "--training.steps", "7")
+    assert result.returncode == 0, result.stderr
+    resolved = tomllib.loads(result.stdout)
+    assert resolved["training"]["steps"] == 7
+    assert resolved["model"]["flavor"] == "8B" and resolved["training"]["seq_len"] == 8192
+
+
+def test_subprocess_help_lists_flags_and_docstrings() -> None:
+    result = run_manager("--module", "llama3", "--config", "llama3_debugmodel", "--help")
+    assert result.returncode == 0, result.stderr
+    # Drop the box-drawing borders and re-join wrapped lines before searching.
+    text = " ".join(re.sub(r"[│╭╰─╮╯]", " ", result.stdout).split())
+    for flag in (
+        "--profiling.enable-memory-snapshot, --profiling.no-enable-memory-snapshot",
+        "--training.local-batch-size INT",
+        "--checkpoint.exclude-from-loading",
+        "--lr-scheduler.decay-type {linear,sqrt,cosine}",
+    ):
+        assert flag in text
+    for doc in (
+        "Write memory snapshots every profile_freq steps (a CPU memory report on CPU).",
+        "Sequences per micro-batch on each data-parallel rank.",
+        "Peak learning rate.",
+    ):
+        assert doc in text
+    assert "(default: ./outputs/llama3_debugmodel)" in text  # defaults come from the registry
+
+
+def test_subprocess_error_is_one_line_and_exit_2() -> None:
+    result = run_manager("--module", "llama3", "--config", "llama3_8b", "--training.stepz", "7")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: unknown option --training.stepz; did you mean")
+
+
+# -- docs ----------------------------------------------------------------------------------------
+
+
+def test_docs_toml_example_parses(tmp_path: Path) -> None:
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", doc, flags=re.S)
+    assert len(blocks) == 1
+    path = write(tmp_path, blocks[0], "my_run.toml")
+    cfg = parse_args([*DEBUG, "--job.config_file", path])
+    assert cfg.training.steps == 500 and cfg.training.seq_len == 512
+    assert cfg.training.local_batch_size == 8  # from the registry function
+    assert cfg.checkpoint.exclude_from_loading == ["dataloader"]
+    assert cfg.profiling.enable_memory_snapshot
+
+
+def test_docs_section_table_lists_every_section() -> None:
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    table = doc.split("## Sections", 1)[1]
+    documented = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
+    assert documented == [f.name for f in dataclasses.fields(JobConfig)]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--training.stepz", "3"],
+        ["--training.steps", "abc"],
+        ["--optimizer.name", "SGD"],
+        ["--training.steps", "0"],
+        ["--module", "gpt", "--config", "x"],
+    ],
+)
+def test_docs_error_examples_match_the_code(argv: list[str]) -> None:
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    assert f"error: {config_error(argv)}\n" in doc

@@ -1,0 +1,319 @@
+"""End-to-end training: resume determinism, checkpoint commit semantics, seed checkpoints,
+metrics, profiling, validation, and bad input rejected before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_core.checkpoint.manager import COMMIT_MARKER, FAULT_ENV, complete_steps
+from titan_core.config.manager import parse_args
+from titan_core.train import run
+
+TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
+
+
+def _args(dump: Path, *extra: str) -> list[str]:
+    return [
+        *TINY,
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        "12",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.cpu_peak_tflops",
+        "1",
+        "--debug.deterministic",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "4",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--checkpoint.no_last_save_model_only",
+        "--validation.no_enable",
+        *extra,
+    ]
+
+
+def _losses(history: list[dict[str, float]]) -> dict[int, float]:
+    return {int(h["step"]): h["loss"] for h in history if "loss" in h}
+
+
+def _train_subprocess(
+    argv: list[str], env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "titan_core.train", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[int, float]:
+    """Losses of an uninterrupted deterministic 12-step run."""
+    dump = tmp_path_factory.mktemp("reference")
+    return _losses(run(parse_args(_args(dump))))
+
+
+def test_resume_is_bitwise_equal(tmp_path: Path, reference: dict[int, float]) -> None:
+    dump = tmp_path / "run"
+    first = _losses(run(parse_args(_args(dump, "--training.steps", "12"))))
+    assert first == reference  # same seed and config → bitwise-equal losses
+    # Resume from step 4 (model, optimizer, scheduler, dataloader, RNG) and train to 12 again.
+    resumed = _losses(run(parse_args(_args(dump, "--checkpoint.load_step", "4"))))
+    assert sorted(resumed) == list(range(5, 13))
+    assert resumed == {s: reference[s] for s in range(5, 13)}
+
+
+def test_async_checkpoint_resume(tmp_path: Path, reference: dict[int, float]) -> None:
+    dump = tmp_path / "run"
+    run(parse_args(_args(dump, "--checkpoint.async_mode", "async")))
+    assert complete_steps(str(dump / "checkpoint")) == [4, 8, 12]
+    resumed = _losses(run(parse_args(_args(dump, "--checkpoint.load_step", "8"))))
+    assert resumed == {s: reference[s] for s in range(9, 13)}
+
+
+def test_kill_during_save_leaves_previous_step(tmp_path: Path, reference: dict[int, float]) -> None:
+    dump = tmp_path / "run"
+    killed = _train_subprocess(_args(dump), {FAULT_ENV: "8"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    ckpt = dump / "checkpoint"
+    assert (ckpt / "step-8" / ".metadata").exists()  # DCP wrote everything but our marker
+    assert not (ckpt / "step-8" / COMMIT_MARKER).exists()
+    assert complete_steps(str(ckpt)) == [4]
+    again = _train_subprocess(_args(dump))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "checkpoint/step-4 (step 4)" in again.stdout
+    logged = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    resumed = {r["step"]: r["loss"] for r in logged[-8:]}
+    assert resumed == {s: reference[s] for s in range(5, 13)}
+    assert complete_steps(str(ckpt)) == [4, 8, 12]
+
+
+def test_keep_latest_k_and_final_model_only(tmp_path: Path, assets: Path) -> None:
+    dump = tmp_path / "run"
+    run(
+        parse_args(
+            _args(
+                dump,
+                "--checkpoint.keep_latest_k",
+                "2",
+                "--checkpoint.last_save_model_only",
+                "--checkpoint.export_dtype",
+                "bfloat16",
+            )
+        )
+    )
+    assert complete_steps(str(dump / "checkpoint")) == [8, 12]
+    marker = json.loads((dump / "checkpoint" / "step-12" / COMMIT_MARKER).read_text())
+    assert marker == {**marker, "step": 12, "model_only": True}
+    # Training to the same step count again finds the work done.
+    assert run(parse_args(_args(dump))) == []
+
+
+def test_seed_checkpoint_fixes_initial_weights(tmp_path: Path, assets: Path) -> None:
+    seed_dump = tmp_path / "seeded"
+    run(parse_args(_args(seed_dump, "--checkpoint.create_seed_checkpoint", "--debug.seed", "1")))
+    assert (seed_dump / "checkpoint" / "seed" / COMMIT_MARKER).exists()
+    assert not (seed_dump / "metrics.jsonl").exists()
+    # Runs with different init seeds start from the same (seed-checkpoint) weights: one finds the
+    # seed in its own checkpoint folder, the other loads it through initial_load_path.
+    from_folder = _losses(
+        run(parse_args(_args(seed_dump, "--training.steps", "2", "--debug.seed", "7")))
+    )
+    from_path = _losses(
+        run(
+            parse_args(
+                [
+                    *_args(tmp_path / "b", "--training.steps", "2", "--debug.seed", "9"),
+                    "--checkpoint.initial_load_path",
+                    str(seed_dump / "checkpoint" / "seed"),
+                ]
+            )
+        )
+    )
+    fresh = _losses(
+        run(parse_args(_args(tmp_path / "c", "--training.steps", "2", "--debug.seed", "9")))
+    )
+    assert from_folder == from_path
+    assert fresh[1] != from_path[1]
+
+
+def test_metrics_profiling_validation(tmp_path: Path, assets: Path) -> None:
+    dump = tmp_path / "run"
+    history = run(
+        parse_args(
+            [
+                *TINY,
+                "--job.dump_folder",
+                str(dump),
+                "--training.steps",
+                "6",
+                "--metrics.log_freq",
+                "2",
+                "--metrics.enable_tensorboard",
+                "--profiling.enable_profiling",
+                "--profiling.profile_freq",
+                "3",
+                "--profiling.profiler_warmup",
+                "1",
+                "--profiling.enable_memory_snapshot",
+                "--validation.enable",
+                "--validation.freq",
+                "3",
+                "--validation.steps",
+                "2",
+                "--checkpoint.no_enable",
+            ]
+        )
+    )
+    logged = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in logged if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 4, 6]
+    for key in (
+        "loss",
+        "grad_norm",
+        "lr",
+        "tps",
+        "tflops",
+        "mfu_pct",
+        "data_pct",
+        "step_time_s",
+        "memory/rss_gib",
+    ):
+        assert all(r[key] >= 0 for r in train_rows), key
+    assert train_rows[-1]["tps"] > 0 and train_rows[-1]["mfu_pct"] > 0
+    val = [r for r in logged if "validation/loss" in r]
+    assert [r["step"] for r in val] == [3, 6] and all(0 < r["validation/loss"] < 20 for r in val)
+    assert any(h.get("validation/loss") for h in history)
+    assert list((dump / "tb").glob("events.out.tfevents.*"))
+    assert (dump / "profile_traces" / "iteration_3" / "rank0_trace.json").stat().st_size > 0
+    assert (dump / "profile_traces" / "iteration_6" / "rank0_trace.json").exists()
+    report = json.loads(
+        (dump / "memory_snapshot" / "iteration_3" / "rank0_memory_report.json").read_text()
+    )
+    assert report["kind"] == "cpu_memory_report" and report["parameters_mib"] > 0
+    assert (dump / "config.toml").read_text().count("[training]") == 1
+
+
+def test_gradient_accumulation_matches_bigger_batch(tmp_path: Path, assets: Path) -> None:
+    base = [
+        *TINY,
+        "--training.steps",
+        "3",
+        "--metrics.log_freq",
+        "1",
+        "--debug.deterministic",
+        "--checkpoint.no_enable",
+        "--validation.no_enable",
+        "--metrics.cpu_peak_tflops",
+        "1",
+    ]
+    big = _losses(
+        run(
+            parse_args(
+                [
+                    *base,
+                    "--job.dump_folder",
+                    str(tmp_path / "a"),
+                    "--training.local_batch_size",
+                    "4",
+                ]
+            )
+        )
+    )
+    acc = _losses(
+        run(
+            parse_args(
+                [
+                    *base,
+                    "--job.dump_folder",
+                    str(tmp_path / "b"),
+                    "--training.local_batch_size",
+                    "2",
+                    "--training.gradient_accumulation_steps",
+                    "2",
+                ]
+            )
+        )
+    )
+    for step in big:
+        assert acc[step] == pytest.approx(big[step], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        (["--tokenizer.path", "/no/such/tokenizer.model"], "tokenizer.path"),
+        (["--training.stepz", "3"], "training.stepz"),
+        (["--training.steps", "three"], "training.steps"),
+        (["--job.config_file", "BROKEN_TOML"], "line"),
+        (["--training.dataset", "EMPTY_JSONL"], "empty.jsonl"),
+    ],
+)
+def test_bad_input_one_line_nothing_written(
+    tmp_path: Path, assets: Path, bad: list[str], expected: str
+) -> None:
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[training]\nsteps = = 3\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n{"text": "   "}\n')
+    bad = [
+        str(broken) if b == "BROKEN_TOML" else str(empty) if b == "EMPTY_JSONL" else b for b in bad
+    ]
+    dump = tmp_path / "out"
+    proc = _train_subprocess([*TINY, "--job.dump_folder", str(dump), *bad])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert not dump.exists()
+
+
+@pytest.mark.multiprocess
+def test_torchrun_fsdp_two_processes(tmp_path: Path, assets: Path) -> None:
+    dump = tmp_path / "fsdp"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titan_core.cli",
+            "train",
+            "--ngpu",
+            "2",
+            *TINY,
+            "--job.dump_folder",
+            str(dump),
+            "--training.steps",
+            "4",
+            "--metrics.log_freq",
+            "1",
+            "--metrics.cpu_peak_tflops",
+            "1",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+            "--validation.no_enable",
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Applied FSDP" in proc.stdout
+    logged = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in logged)
+    assert complete_steps(str(dump / "checkpoint")) == [2, 4]

@@ -1,0 +1,244 @@
+"""DCP checkpointing: interval/async saves, commit markers, keep-latest-k, seed and resume.
+
+Layout under ``<dump_folder>/<checkpoint.folder>/``: ``step-<N>/`` per save and ``seed/`` for the
+seed checkpoint. A directory counts only once rank 0 has written its commit marker (after DCP's
+own metadata), so a process killed mid-save leaves the previous step as the one that loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+from titan_core.checkpoint import storage
+from titan_core.config.job import Checkpoint as CheckpointConfig
+from titan_core.errors import CheckpointError
+from titan_core.logging import logger
+
+COMMIT_MARKER = ".titan_complete"
+SEED_DIR = "seed"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Test hook: SIGKILL this process after DCP wrote step N but before its commit marker.
+FAULT_ENV = "TITAN_FAULT_KILL_BEFORE_COMMIT_STEP"
+
+
+def complete_steps(folder: str) -> list[int]:
+    """Steps under ``folder`` whose commit marker exists, ascending."""
+    steps = []
+    for name in storage.list_dirs(folder):
+        match = _STEP_RE.match(name)
+        if match and storage.exists(storage.join(folder, name, COMMIT_MARKER)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def read_marker(step_dir: str) -> dict[str, Any] | None:
+    """The commit marker of a checkpoint directory, or None when it is incomplete."""
+    path = storage.join(step_dir, COMMIT_MARKER)
+    return json.loads(storage.read_text(path)) if storage.exists(path) else None
+
+
+class CheckpointManager:
+    """Saves and restores the named ``Stateful`` states of a training job with DCP."""
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        dump_folder: str,
+        states: dict[str, Stateful],
+        *,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        self.cfg = cfg
+        self.folder = storage.resolve(dump_folder, cfg.folder)
+        self.states = states
+        self.rank = rank
+        self._pending: tuple[Future, int, bool] | None = None
+        self._pg = None
+        if cfg.enable and cfg.async_mode != "disabled" and world_size > 1:
+            # Background saves must not share a process group with training collectives.
+            self._pg = dist.new_group(backend="gloo")
+        if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+            logger.info(
+                "checkpoint.async_mode=async_with_pinned_mem: no CUDA, so no pinned "
+                "memory; staging to ordinary CPU memory (same as 'async')"
+            )
+
+    # ------------------------------------------------------------------ paths
+    def step_dir(self, step: int) -> str:
+        """Directory of the checkpoint for ``step``."""
+        return storage.join(self.folder, f"step-{step}")
+
+    @property
+    def seed_dir(self) -> str:
+        """Directory of the seed checkpoint."""
+        return storage.join(self.folder, SEED_DIR)
+
+    # ------------------------------------------------------------------ load
+    def load(self) -> int:
+        """Restore the newest complete checkpoint (or load_step / seed / initial_load_path).
+
+        Returns the training step to continue from (0 when starting fresh).
+        """
+        if not self.cfg.enable:
+            return 0
+        steps = complete_steps(self.folder)
+        if self.cfg.load_step != -1:
+            if self.cfg.load_step not in steps:
+                raise CheckpointError(
+                    f"checkpoint.load_step: no complete checkpoint for step {self.cfg.load_step} "
+                    f"in {self.folder} (complete: {steps or 'none'})"
+                )
+            return self._load_dir(self.step_dir(self.cfg.load_step))
+        if steps:
+            return self._load_dir(self.step_dir(steps[-1]))
+        if read_marker(self.seed_dir) is not None:
+            logger.info("No step checkpoint yet: loading the seed checkpoint %s", self.seed_dir)
+            return self._load_dir(self.seed_dir)
+        if self.cfg.initial_load_path:
+            return self._load_initial(self.cfg.initial_load_path)
+        logger.info("No checkpoint in %s: starting from freshly initialized weights", self.folder)
+        return 0
+
+    def _load_initial(self, path: str) -> int:
+        if not storage.exists(storage.join(path, ".metadata")):
+            raise CheckpointError(
+                f"checkpoint.initial_load_path: {path} is not a DCP checkpoint (no .metadata)"
+            )
+        keys = ["model"] if self.cfg.initial_load_model_only else self._loadable_keys()
+        logger.info("Loading %s from initial_load_path %s", keys, path)
+        self._dcp_load(path, keys)
+        return 0 if self.cfg.initial_load_model_only else self._restored_step()
+
+    def _load_dir(self, path: str) -> int:
+        marker = read_marker(path)
+        assert marker is not None, f"{path} has no commit marker"
+        keys = ["model"] if marker["model_only"] else self._loadable_keys()
+        start = time.perf_counter()
+        self._dcp_load(path, keys)
+        step = 0 if marker["model_only"] else self._restored_step()
+        logger.info(
+            "Loaded %s from %s (step %d) in %.2fs",
+            keys,
+            path,
+            marker["step"],
+            time.perf_counter() - start,
+        )
+        return step
+
+    def _loadable_keys(self) -> list[str]:
+        return [k for k in self.states if k not in self.cfg.exclude_from_loading]
+
+    def _restored_step(self) -> int:
+        train_state = self.states.get("train_state")
+        return int(getattr(train_state, "step", 0))
+
+    def _dcp_load(self, path: str, keys: list[str]) -> None:
+        state = {k: self.states[k] for k in keys}
+        try:
+            dcp.load(state, storage_reader=storage.dcp_reader(path))
+        except dcp.CheckpointException as e:  # a BaseException: `except Exception` misses it
+            raise CheckpointError(
+                f"checkpoint: cannot load {keys} from {path}: {str(e).splitlines()[0]}"
+            ) from e
+
+    # ------------------------------------------------------------------ save
+    def should_save(self, step: int, last: bool) -> bool:
+        """Whether ``step`` is a save point (interval, or the last step)."""
+        if not self.cfg.enable or self.cfg.load_only:
+            return False
+        return last or step % self.cfg.interval == 0
+
+    def save(self, step: int, *, last: bool = False) -> None:
+        """Save ``step`` if it is a save point; async modes return once state is staged."""
+        if not self.should_save(step, last):
+            return
+        self.wait()
+        model_only = self.cfg.model_weights_only or (last and self.cfg.last_save_model_only)
+        self._write(self.step_dir(step), step, model_only)
+
+    def save_seed(self) -> str:
+        """Write the model as the seed checkpoint (model only, export dtype) and return its dir."""
+        self._write(self.seed_dir, 0, model_only=True, blocking=True)
+        return self.seed_dir
+
+    def _write(self, path: str, step: int, model_only: bool, blocking: bool = False) -> None:
+        if self.rank == 0 and storage.exists(path):
+            storage.remove_tree(path)  # debris of an earlier, interrupted save of this step
+        if dist.is_initialized():
+            dist.barrier()
+        state = self._model_only_state() if model_only else dict(self.states)
+        writer = storage.dcp_writer(path)
+        start = time.perf_counter()
+        if self.cfg.async_mode == "disabled" or blocking:
+            dcp.save(state, storage_writer=writer)
+            self._commit(path, step, model_only)
+            logger.info("Saved checkpoint %s in %.2fs", path, time.perf_counter() - start)
+        else:
+            future = dcp.async_save(state, storage_writer=writer, process_group=self._pg)
+            self._pending = (future, step, model_only)
+            logger.info(
+                "Staged checkpoint %s in %.2fs (writing in background)",
+                path,
+                time.perf_counter() - start,
+            )
+
+    def _model_only_state(self) -> dict[str, Any]:
+        dtype = _DTYPES[self.cfg.export_dtype]
+        model_sd = self.states["model"].state_dict()
+        return {
+            "model": {k: v.to(dtype) if v.is_floating_point() else v for k, v in model_sd.items()}
+        }
+
+    def _commit(self, path: str, step: int, model_only: bool) -> None:
+        if os.environ.get(FAULT_ENV) == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.rank == 0:
+            marker = {"step": step, "model_only": model_only, "time": time.time()}
+            storage.write_text_atomic(storage.join(path, COMMIT_MARKER), json.dumps(marker))
+            if path != self.seed_dir:
+                self._purge(step)
+
+    def _purge(self, newest: int) -> None:
+        """Drop complete steps beyond keep_latest_k and incomplete debris older than ``newest``."""
+        keep = self.cfg.keep_latest_k
+        complete = complete_steps(self.folder)
+        doomed = complete[:-keep] if keep else []
+        for name in storage.list_dirs(self.folder):
+            match = _STEP_RE.match(name)
+            if match and int(match.group(1)) < newest and int(match.group(1)) not in complete:
+                doomed.append(int(match.group(1)))
+        for step in doomed:
+            storage.remove_tree(self.step_dir(step))
+            logger.info("Removed old checkpoint step-%d", step)
+
+    def poll(self) -> None:
+        """Commit a finished background save without blocking (call once per step)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until a pending background save is written, then commit it."""
+        if self._pending is None:
+            return
+        future, step, model_only = self._pending
+        self._pending = None
+        future.result()
+        self._commit(self.step_dir(step), step, model_only)
+        logger.info("Background checkpoint step-%d committed", step)
+
+    def close(self) -> None:
+        """Finish pending work."""
+        self.wait()

@@ -1,0 +1,60 @@
+"""``Stateful`` views of the model and the training progress, as DCP saves them."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+class ModelState(Stateful):
+    """FQN-keyed model weights (DTensors stay sharded, so DCP reshards on load)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model parameters and persistent buffers."""
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load strictly: a checkpoint that lacks or adds a tensor is an error."""
+        set_model_state_dict(self.model, state_dict)
+
+
+@dataclass
+class TrainState(Stateful):
+    """Step, tokens seen and this rank's RNG states."""
+
+    rank: int = 0
+    step: int = 0
+    ntokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters as tensors; RNG states as bytes under a per-rank key."""
+        rng = {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": random.getstate(),
+        }
+        return {
+            "step": torch.tensor(self.step, dtype=torch.int64),
+            "ntokens_seen": torch.tensor(self.ntokens_seen, dtype=torch.int64),
+            f"rng_rank_{self.rank}": pickle.dumps(rng),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore counters and RNG states."""
+        self.step = int(state_dict["step"])
+        self.ntokens_seen = int(state_dict["ntokens_seen"])
+        rng = pickle.loads(state_dict[f"rng_rank_{self.rank}"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        random.setstate(rng["python"])

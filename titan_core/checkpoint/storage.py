@@ -1,0 +1,97 @@
+"""The one storage seam: paths and URLs through fsspec (plain paths stay plain paths)."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+
+import fsspec
+from fsspec.core import url_to_fs
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+
+def is_url(path: str) -> bool:
+    """True for ``scheme://`` URLs other than ``file://``."""
+    return "://" in path and not path.startswith("file://")
+
+
+def join(base: str, *parts: str) -> str:
+    """Join path parts, keeping a URL a URL."""
+    if is_url(base):
+        return posixpath.join(base, *parts)
+    return os.path.join(base.removeprefix("file://"), *parts)
+
+
+def resolve(base: str, path: str) -> str:
+    """``path`` itself when absolute or a URL, else relative to ``base``."""
+    if is_url(path) or os.path.isabs(path):
+        return path
+    return join(base, path)
+
+
+def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem for a path or URL, and the path within it."""
+    return url_to_fs(path)
+
+
+def exists(path: str) -> bool:
+    """Whether a file or directory exists."""
+    fs, p = filesystem(path)
+    return fs.exists(p)
+
+
+def list_dirs(path: str) -> list[str]:
+    """Names of the immediate sub-directories (empty when ``path`` does not exist)."""
+    fs, p = filesystem(path)
+    if not fs.exists(p):
+        return []
+    return [
+        posixpath.basename(e["name"].rstrip("/"))
+        for e in fs.ls(p, detail=True)
+        if e["type"] == "directory"
+    ]
+
+
+def read_text(path: str) -> str:
+    """Read a small text file."""
+    with fsspec.open(path, "r") as f:
+        return f.read()
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write a small text file so readers never see it half-written.
+
+    Locally that is write-to-temp + rename; object stores publish a PUT atomically anyway.
+    """
+    fs, p = filesystem(path)
+    if is_url(path):
+        with fs.open(p, "w") as f:
+            f.write(text)
+        return
+    fs.makedirs(os.path.dirname(p) or ".", exist_ok=True)
+    tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+
+
+def remove_tree(path: str) -> None:
+    """Delete a directory tree if it exists."""
+    fs, p = filesystem(path)
+    if fs.exists(p):
+        fs.rm(p, recursive=True)
+
+
+def dcp_writer(path: str) -> StorageWriter:
+    """A DCP writer for a local path or any fsspec URL."""
+    return FsspecWriter(path) if is_url(path) else FileSystemWriter(path)
+
+
+def dcp_reader(path: str) -> StorageReader:
+    """A DCP reader for a local path or any fsspec URL."""
+    return FsspecReader(path) if is_url(path) else FileSystemReader(path)

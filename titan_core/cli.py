@@ -1,0 +1,121 @@
+"""The ``titan`` console script.
+
+    titan train [--ngpu N] [--log-rank R] [--module M --config C] [--section.field value ...]
+    titan config [--module M --config C] [overrides]     # print the resolved config as TOML
+    titan demo [--steps N] [overrides]                   # train the debug model; resumes when rerun
+
+Config arguments are handed to ``titan_core.config.manager`` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import statistics
+import sys
+
+from titan_core.errors import TitanError
+
+
+def _train(ns: argparse.Namespace, rest: list[str]) -> int:
+    if ns.ngpu > 1:
+        torchrun = shutil.which("torchrun") or os.path.join(
+            os.path.dirname(sys.executable), "torchrun"
+        )
+        cmd = [
+            torchrun,
+            f"--nproc_per_node={ns.ngpu}",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            "localhost:0",
+            "--local-ranks-filter",
+            ns.log_rank,
+            "--role",
+            "rank",
+            "--tee",
+            "3",
+            "-m",
+            "titan_core.train",
+            *rest,
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        os.execve(cmd[0], cmd, env)
+    from titan_core.train import main as train_main
+
+    return train_main(rest)
+
+
+def _config(rest: list[str]) -> int:
+    from titan_core.config.manager import main as config_main
+
+    return config_main(rest)
+
+
+def _demo(ns: argparse.Namespace, rest: list[str]) -> int:
+    """Train the debug model offline; a rerun resumes from the newest checkpoint and goes on."""
+    from titan_core.checkpoint import storage
+    from titan_core.checkpoint.manager import complete_steps
+    from titan_core.config.manager import parse_args
+    from titan_core.train import run
+
+    argv = ["--module", "llama3", "--config", "llama3_debugmodel", *rest]
+    if ns.steps:
+        argv += ["--training.steps", str(ns.steps)]
+    cfg = parse_args(argv)
+    folder = storage.resolve(cfg.job.dump_folder, cfg.checkpoint.folder)
+    done = complete_steps(folder)
+    if done and done[-1] >= cfg.training.steps:
+        # Already trained this far: continue for another block of the same length.
+        steps = done[-1] + cfg.training.steps
+        print(f"demo: found checkpoint step-{done[-1]} in {folder}; continuing to step {steps}")
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, steps=steps))
+    elif done:
+        print(f"demo: resuming from checkpoint step-{done[-1]} in {folder}")
+    history = run(cfg)
+    losses = [h["loss"] for h in history if "loss" in h]
+    if len(losses) >= 4:
+        k = min(10, len(losses) // 2)
+        first, last = statistics.mean(losses[:k]), statistics.mean(losses[-k:])
+        print(
+            f"demo: mean loss of the first {k} logged steps {first:.3f} → last {k}: "
+            f"{last:.3f} ({100 * (first - last) / first:+.1f}% lower)"
+        )
+    print(
+        f"demo: outputs in {cfg.job.dump_folder} (checkpoints: {folder}, "
+        f"metrics: {os.path.join(cfg.job.dump_folder, 'metrics.jsonl')}); "
+        "run `make demo` again to resume"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch a ``titan`` subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="titan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train (under torchrun when --ngpu > 1)", add_help=False)
+    train.add_argument("--ngpu", type=int, default=1, help="processes on this host")
+    train.add_argument("--log-rank", default="0", help="ranks whose output is shown")
+    sub.add_parser("config", help="print the resolved config as TOML", add_help=False)
+    demo = sub.add_parser(
+        "demo", help="train the debug model offline (resumes when rerun)", add_help=False
+    )
+    demo.add_argument("--steps", type=int, default=0, help="steps for a fresh demo run")
+    ns, rest = parser.parse_known_args(argv)
+    try:
+        if ns.command == "train":
+            return _train(ns, rest)
+        if ns.command == "config":
+            return _config(rest)
+        return _demo(ns, rest)
+    except TitanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

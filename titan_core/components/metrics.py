@@ -1,0 +1,247 @@
+"""Training metrics: throughput, FLOPs/MFU, memory, timing, and the sinks they are sent to.
+
+``MetricsSink`` is the seam the pipeline plugs MLflow into; the engine ships console,
+JSONL and TensorBoard sinks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import psutil
+import torch
+
+from titan_core.config.job import Metrics as MetricsConfig
+from titan_core.logging import logger
+
+# Dense bf16 peak TFLOP/s by device-name fragment (vendor datasheets, no sparsity).
+_GPU_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "H20": 148.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L40": 181.0,
+    "A10G": 125.0,
+    "L4": 121.0,
+}
+
+
+@runtime_checkable
+class MetricsSink(Protocol):
+    """Where per-step metrics go; implemented by console, JSONL, TensorBoard and MLflow sinks."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record the metrics of one step."""
+
+    def close(self) -> None:
+        """Flush and release resources."""
+
+
+class ConsoleSink:
+    """One coloured line per logged step, torchtitan style."""
+
+    def __init__(self, color: str = "auto") -> None:
+        use = color == "always" or (color == "auto" and sys.stdout.isatty())
+        codes = {"red": 31, "green": 32, "yellow": 33, "blue": 34, "magenta": 35, "cyan": 36}
+        self.c = {k: (f"\033[{v}m" if use else "") for k, v in codes.items()}
+        self.reset = "\033[0m" if use else ""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Log the step's headline numbers on one line."""
+        c, r = self.c, self.reset
+        mem = metrics.get("memory/max_reserved_gib", metrics.get("memory/rss_gib", 0.0))
+        mem_pct = metrics.get("memory/max_reserved_pct")
+        mem_txt = f"{mem:.2f}GiB" + (f"({mem_pct:.1f}%)" if mem_pct is not None else "")
+        logger.info(
+            f"{c['red']}step: {step:>5}  {c['green']}loss: {metrics['loss']:8.4f}  "
+            f"{c['yellow']}grad_norm: {metrics['grad_norm']:7.4f}  lr: {metrics['lr']:.2e}  "
+            f"{c['cyan']}memory: {mem_txt}  {c['blue']}tps: {metrics['tps']:,.0f}  "
+            f"tflops: {metrics['tflops']:.2f}  {c['magenta']}mfu: {metrics['mfu_pct']:.2f}%  "
+            f"data: {metrics['data_pct']:.1f}%  step_s: {metrics['step_time_s']:.3f}{r}"
+        )
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class JsonlSink:
+    """Appends ``{"step": N, ...metrics}`` lines to a local file (read by tests and tools)."""
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the sink
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Write one JSON line."""
+        self._f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def close(self) -> None:
+        """Close the file."""
+        self._f.close()
+
+
+class TensorBoardSink:
+    """Scalars to TensorBoard event files."""
+
+    def __init__(self, log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir, max_queue=1000)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Add each metric as a scalar."""
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        """Flush and close the writer."""
+        self._writer.close()
+
+
+class MemoryMonitor:
+    """Peak memory since the last reset: CUDA allocator stats on GPU, process RSS on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            self.capacity = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def read(self) -> dict[str, float]:
+        """Memory metrics in GiB (and % of device capacity on GPU)."""
+        gib = 1024**3
+        if self.device.type == "cuda":
+            stats = torch.cuda.memory_stats(self.device)
+            active = stats.get("active_bytes.all.peak", 0)
+            reserved = stats.get("reserved_bytes.all.peak", 0)
+            return {
+                "memory/max_active_gib": active / gib,
+                "memory/max_reserved_gib": reserved / gib,
+                "memory/max_reserved_pct": 100.0 * reserved / self.capacity,
+                "memory/num_alloc_retries": float(stats.get("num_alloc_retries", 0)),
+                "memory/num_ooms": float(stats.get("num_ooms", 0)),
+            }
+        # ru_maxrss is KiB on Linux: the process-lifetime peak, the best CPU analogue of "max".
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {
+            "memory/rss_gib": psutil.Process().memory_info().rss / gib,
+            "memory/max_rss_gib": peak / gib,
+        }
+
+    def reset_peak(self) -> None:
+        """Start a new peak window (GPU only; RSS peak is process-lifetime)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def measure_cpu_peak_tflops(dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
+    """Best-of-N dense matmul TFLOP/s on this CPU with the current thread count."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+def device_peak_tflops(device: torch.device, cfg: MetricsConfig, dtype: torch.dtype) -> float:
+    """Peak TFLOP/s used as the MFU denominator: config override, datasheet, or a CPU measure."""
+    if device.type == "cuda":
+        if cfg.device_peak_tflops > 0:
+            return cfg.device_peak_tflops
+        name = torch.cuda.get_device_name(device)
+        for fragment, peak in _GPU_PEAK_TFLOPS.items():
+            if fragment in name:
+                return peak
+        logger.warning(
+            "Unknown GPU %r: MFU uses the H100 peak; set metrics.device_peak_tflops", name
+        )
+        return _GPU_PEAK_TFLOPS["H100"]
+    if cfg.cpu_peak_tflops > 0:
+        return cfg.cpu_peak_tflops
+    peak = measure_cpu_peak_tflops(dtype)
+    logger.info("Measured CPU matmul peak: %.3f TFLOP/s (%s); used for MFU", peak, dtype)
+    return peak
+
+
+@dataclass
+class MetricsProcessor:
+    """Accumulates per-step timings/tokens and emits a metrics dict to every sink each log_freq."""
+
+    cfg: MetricsConfig
+    flops_per_token: int
+    peak_tflops: float
+    memory: MemoryMonitor
+    sinks: list[MetricsSink] = field(default_factory=list)
+    _tokens: int = 0
+    _data_s: float = 0.0
+    _steps: int = 0
+    _t0: float = field(default_factory=time.perf_counter)
+
+    def add_data_time(self, seconds: float) -> None:
+        """Account time spent waiting for the dataloader."""
+        self._data_s += seconds
+
+    def add_step(self, num_tokens: int) -> None:
+        """Account one finished optimizer step of ``num_tokens`` tokens on this rank."""
+        self._tokens += num_tokens
+        self._steps += 1
+
+    def should_log(self, step: int) -> bool:
+        """Log on the first step and every log_freq steps."""
+        return step == 1 or step % self.cfg.log_freq == 0
+
+    def log(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        extra: dict[str, float] | None = None,
+    ) -> dict[str, float]:
+        """Compute the window's rates, send them to every sink, and reset the window."""
+        elapsed = max(time.perf_counter() - self._t0, 1e-9)
+        tps = self._tokens / elapsed
+        tflops = self.flops_per_token * tps / 1e12
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tps": tps,
+            "tflops": tflops,
+            "mfu_pct": 100.0 * tflops / self.peak_tflops if self.peak_tflops else 0.0,
+            "data_pct": 100.0 * self._data_s / elapsed,
+            "step_time_s": elapsed / max(self._steps, 1),
+            **self.memory.read(),
+            **(extra or {}),
+        }
+        for sink in self.sinks:
+            sink.log(step, metrics)
+        self._tokens, self._data_s, self._steps = 0, 0.0, 0
+        self.memory.reset_peak()
+        self._t0 = time.perf_counter()
+        return metrics
+
+    def log_scalars(self, step: int, metrics: dict[str, float]) -> None:
+        """Send out-of-band scalars (e.g. validation loss) to the non-console sinks."""
+        for sink in self.sinks:
+            if not isinstance(sink, ConsoleSink):
+                sink.log(step, metrics)
+
+    def close(self) -> None:
+        """Close every sink."""
+        for sink in self.sinks:
+            sink.close()

@@ -1,0 +1,411 @@
+"""Resolve a ``JobConfig``: dataclass defaults < registry function < TOML file < CLI overrides.
+
+``--module M --config F`` starts from ``titan_core.models.M.config_registry.F()``,
+``--job.config_file PATH`` applies a TOML file onto it, and ``--section.field value`` overrides
+win over both. tyro does the parsing and ``--help``; the argv is checked against the schema first
+so that every user error is one line (a ``ConfigError``) instead of tyro's multi-line box.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import functools
+import importlib
+import inspect
+import sys
+import tomllib
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import fsspec
+import tomli_w
+import tyro
+
+from titan_core.config.job import JobConfig
+from titan_core.errors import ConfigError
+
+Scalar = bool | int | float | str
+
+_PROG = "python -m titan_core.config.manager"
+_DESCRIPTION = """Resolve a training job config. Later layers win:
+  1. dataclass defaults
+  2. --module NAME --config FUNCTION: titan_core.models.NAME.config_registry.FUNCTION()
+  3. --job.config-file PATH.toml
+  4. the --section.field VALUE overrides below (hyphens or underscores)
+
+Boolean options are flags: --section.field sets True, --section.no-field sets False.
+Lists take several values or one comma-separated value."""
+_WORDS = {"bool": "true or false", "int": "an int", "float": "a float", "str": "a string"}
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What one config field accepts, derived from its type hint."""
+
+    kind: Literal["bool", "int", "float", "str", "choice", "list"]
+    choices: tuple[Any, ...] = ()
+    item: _Spec | None = None
+
+    def describe(self) -> str:
+        """Human words for the accepted values, used in error messages."""
+        if self.kind == "choice":
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.kind == "list":
+            assert self.item is not None
+            return f"a list of values, each {self.item.describe()}"
+        return _WORDS[self.kind]
+
+
+def _spec(tp: Any) -> _Spec:
+    if typing.get_origin(tp) is Literal:
+        return _Spec("choice", choices=typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return _Spec("list", item=_spec(typing.get_args(tp)[0]))
+    if tp in (bool, int, float, str):
+        return _Spec(tp.__name__)
+    raise AssertionError(f"config fields must be bool/int/float/str/Literal/list, not {tp!r}")
+
+
+@functools.cache
+def _schema(cls: type) -> dict[str, _Spec]:
+    """Map ``section.field`` to its spec for every field of every section of ``cls``."""
+    out: dict[str, _Spec] = {}
+    section_hints = typing.get_type_hints(cls)
+    for section in dataclasses.fields(cls):
+        section_cls = section_hints[section.name]
+        assert dataclasses.is_dataclass(section_cls), f"{section.name} is not a dataclass"
+        hints = typing.get_type_hints(section_cls)
+        for f in dataclasses.fields(section_cls):
+            out[f"{section.name}.{f.name}"] = _spec(hints[f.name])
+    return out
+
+
+def _from_text(spec: _Spec, text: str) -> Any:
+    """Convert one CLI token to the field's type; ValueError when it does not fit."""
+    if spec.kind == "int":
+        return int(text)
+    if spec.kind == "float":
+        return float(text)
+    if spec.kind == "choice":
+        return spec.choices[[str(c) for c in spec.choices].index(text)]  # ValueError if absent
+    assert spec.kind == "str", spec
+    return text
+
+
+def _from_value(spec: _Spec, value: Any) -> Any:
+    """Check a typed value (from TOML or Python); ints are accepted for floats."""
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    if spec.kind == "bool" and isinstance(value, bool):
+        return value
+    if spec.kind == "int" and is_number and isinstance(value, int):
+        return value
+    if spec.kind == "float" and is_number:
+        return float(value)
+    if spec.kind == "str" and isinstance(value, str):
+        return value
+    if spec.kind == "choice" and any(type(c) is type(value) and c == value for c in spec.choices):
+        return value
+    if spec.kind == "list" and isinstance(value, list):
+        assert spec.item is not None
+        return [_from_value(spec.item, v) for v in value]
+    raise ValueError(value)
+
+
+def _did_you_mean(key: str, schema: dict[str, _Spec], prefix: str) -> str:
+    """Suggest known keys close to ``key`` (same field name elsewhere, or a near spelling)."""
+    pool = list(schema) + [
+        f"{k.split('.')[0]}.no_{k.split('.')[1]}" for k, s in schema.items() if s.kind == "bool"
+    ]
+    name = key.rsplit(".", 1)[-1]
+    same_name = [k for k in schema if k.split(".")[1] == name and k != key]
+    matches = list(dict.fromkeys(same_name + difflib.get_close_matches(key, pool, n=3)))[:3]
+    if not matches:
+        return ""
+    return "; did you mean " + " or ".join(prefix + m for m in matches) + "?"
+
+
+def _apply(base: JobConfig, values: dict[str, Any]) -> JobConfig:
+    """Return a copy of ``base`` with dotted-key ``values`` set; runs the sections' validation."""
+    by_section: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        section, name = key.split(".")
+        by_section.setdefault(section, {})[name] = value
+    base = copy.deepcopy(base)
+    sections = {s: dataclasses.replace(getattr(base, s), **kw) for s, kw in by_section.items()}
+    return dataclasses.replace(base, **sections)
+
+
+def validate(cfg: JobConfig) -> None:
+    """Type-check every field and re-run every section's ``__post_init__`` on ``cfg``."""
+    for key, spec in _schema(type(cfg)).items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        try:
+            _from_value(spec, value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected {spec.describe()}, got {value!r}") from None
+    for obj in [getattr(cfg, f.name) for f in dataclasses.fields(cfg)] + [cfg]:
+        post_init = getattr(obj, "__post_init__", None)
+        if post_init is not None:
+            post_init()
+
+
+def _bool_refusal(shown: str, key: str) -> ConfigError:
+    section, name = key.split(".")
+    return ConfigError(
+        f"{shown}: boolean options are flags; use --{section}.no_{name} (or --{key} to enable)"
+    )
+
+
+def _lookup(name: str, schema: dict[str, _Spec]) -> tuple[str, bool]:
+    """Resolve a CLI option name (hyphens or underscores) to ``(key, negated)``."""
+    key = name.replace("-", "_")
+    if key in schema:
+        return key, False
+    section, _, field_name = key.partition(".")
+    positive = f"{section}.{field_name.removeprefix('no_')}"
+    if field_name.startswith("no_") and positive in schema and schema[positive].kind == "bool":
+        return positive, True
+    hint = _did_you_mean(key, schema, "--") or " (see --help for the options)"
+    raise ConfigError(f"unknown option --{name}{hint}")
+
+
+def _convert_cli(key: str, spec: _Spec, texts: list[str]) -> Any:
+    """Convert the value tokens given for ``--key``; one-line ConfigError when they do not fit."""
+    if spec.kind == "list":
+        assert spec.item is not None
+        items = [part for text in texts for part in text.split(",") if part]
+        converted = []
+        for item in items:
+            try:
+                converted.append(_from_text(spec.item, item))
+            except ValueError:
+                raise ConfigError(f"--{key}: expected {spec.describe()}, got {item!r}") from None
+        return converted
+    if not texts:
+        raise ConfigError(f"--{key}: expected a value ({spec.describe()})")
+    try:
+        return _from_text(spec, texts[0])
+    except ValueError:
+        raise ConfigError(f"--{key}: expected {spec.describe()}, got {texts[0]!r}") from None
+
+
+def _take_values(argv: list[str], i: int, spec: _Spec) -> tuple[list[str], int]:
+    """The value tokens from ``argv[i]``: up to the next option for lists, else one."""
+    end = i
+    limit = len(argv) if spec.kind == "list" else min(i + 1, len(argv))
+    while end < limit and not argv[end].startswith("--"):
+        end += 1
+    return argv[i:end], end
+
+
+def _scan_cli(argv: list[str], schema: dict[str, _Spec]) -> tuple[dict[str, Any], list[str]]:
+    """Check overrides against the schema; return typed values and a normalized argv for tyro."""
+    values: dict[str, Any] = {}
+    tyro_argv: list[str] = []
+    i, last = 0, ""
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if not token.startswith("--"):
+            after = f" after {last}" if last else ""
+            raise ConfigError(
+                f"unexpected argument {token!r}{after}: overrides look like --section.field value"
+            )
+        last = token
+        name, has_inline, inline = token[2:].partition("=")
+        key, negated = _lookup(name, schema)
+        spec = schema[key]
+        flag = "--" + key.replace("_", "-")
+        if spec.kind == "bool":
+            if has_inline or (i < len(argv) and not argv[i].startswith("--")):
+                raise _bool_refusal(token if has_inline else f"{token} {argv[i]}", key)
+            values[key] = not negated
+            section, field_name = flag.split(".")
+            tyro_argv.append(f"{section}.no-{field_name}" if negated else flag)
+            continue
+        if has_inline:
+            texts = [inline]
+        else:
+            texts, i = _take_values(argv, i, spec)
+        values[key] = _convert_cli(key, spec, texts)
+        if spec.kind == "list":
+            tyro_argv += [flag, *(str(v) for v in values[key])]
+        else:
+            tyro_argv.append(f"{flag}={texts[0]}")
+    return values, tyro_argv
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with fsspec.open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory, not a TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: invalid TOML: the file is not UTF-8 text") from None
+
+
+def load_toml(path: str | Path, base: JobConfig) -> JobConfig:
+    """Apply the TOML file at ``path`` (local path or fsspec URL) onto ``base``, type-checked."""
+    path = str(path)
+    schema = _schema(type(base))
+    sections = {key.split(".")[0] for key in schema}
+    values: dict[str, Any] = {}
+    for section, table in _read_toml(path).items():
+        section_key = section.replace("-", "_")
+        if not isinstance(table, dict) and section_key in sections:
+            raise ConfigError(f"{path}: {section} must be a [{section}] table, got {table!r}")
+        if not isinstance(table, dict):
+            hint = _did_you_mean(section_key, schema, "")
+            raise ConfigError(f"{path}: key {section!r} is outside any [section] table{hint}")
+        if section_key not in sections:
+            close = difflib.get_close_matches(section_key, sorted(sections), n=3)
+            hint = "; did you mean " + " or ".join(f"[{c}]" for c in close) + "?" if close else ""
+            raise ConfigError(f"{path}: unknown section [{section}]{hint}")
+        for name, value in table.items():
+            key = f"{section_key}.{name.replace('-', '_')}"
+            if key not in schema:
+                hint = _did_you_mean(key, schema, "")
+                raise ConfigError(f"{path}: unknown key {section}.{name}{hint}")
+            try:
+                values[key] = _from_value(schema[key], value)
+            except ValueError:
+                expected = schema[key].describe()
+                raise ConfigError(f"{path}: {key}: expected {expected}, got {value!r}") from None
+    return _apply(base, values)
+
+
+def _registry_modules() -> list[str]:
+    package = importlib.import_module("titan_core.models")
+    roots = [Path(p) for p in package.__path__]
+    return sorted({p.parent.name for root in roots for p in root.glob("*/config_registry.py")})
+
+
+def load_registry_config(module: str, config: str) -> JobConfig:
+    """Call ``titan_core.models.<module>.config_registry.<config>()`` and validate the result."""
+    modules = _registry_modules()
+    if module not in modules:
+        choices = ", ".join(modules) or "none found"
+        raise ConfigError(f"--module {module!r}: unknown model module; choices: {choices}")
+    registry = importlib.import_module(f"titan_core.models.{module}.config_registry")
+    functions = {
+        name: fn
+        for name, fn in inspect.getmembers(registry, inspect.isfunction)
+        if fn.__module__ == registry.__name__ and not name.startswith("_")
+    }
+    if config not in functions:
+        raise ConfigError(
+            f"--config {config!r}: not in titan_core.models.{module}.config_registry; "
+            f"choices: {', '.join(sorted(functions))}"
+        )
+    cfg = functions[config]()
+    assert isinstance(cfg, JobConfig), f"{module}.{config}() returned {type(cfg).__name__}"
+    validate(cfg)
+    return cfg
+
+
+def _pop_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:
+    """Remove ``--option VALUE`` / ``--option=VALUE`` from ``argv``; the last one wins."""
+    value, rest, i = None, [], 0
+    while i < len(argv):
+        token = argv[i]
+        if token == option:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"{option} expects a value")
+            value, i = argv[i + 1], i + 2
+            continue
+        if token.startswith(option + "="):
+            value = token.partition("=")[2]
+        else:
+            rest.append(token)
+        i += 1
+    return value, rest
+
+
+class ConfigManager:
+    """Resolves a ``JobConfig`` from defaults, a registry function, a TOML file and CLI flags.
+
+    ``prog`` names the program in ``--help`` (default: taken from ``sys.argv[0]`` by tyro).
+    """
+
+    def __init__(self, config_cls: type[JobConfig] = JobConfig, prog: str | None = None) -> None:
+        self.config_cls = config_cls
+        self.prog = prog
+
+    def parse_args(self, argv: list[str] | None = None) -> JobConfig:
+        """Resolve the config from ``argv`` (default ``sys.argv[1:]``); ``--help`` exits."""
+        argv = list(sys.argv[1:] if argv is None else argv)
+        module, argv = _pop_option(argv, "--module")
+        config, argv = _pop_option(argv, "--config")
+        if (module is None) != (config is None):
+            raise ConfigError(
+                "--module and --config go together (e.g. --module llama3 --config "
+                "llama3_debugmodel)"
+            )
+        base = self.config_cls() if module is None else load_registry_config(module, config or "")
+        if "-h" in argv or "--help" in argv:
+            self._tyro(base, ["--help"])  # prints the help and raises SystemExit(0)
+        values, tyro_argv = _scan_cli(argv, _schema(self.config_cls))
+        if values.get("job.config_file"):
+            base = load_toml(values["job.config_file"], base)
+        # Validate the overridden values here: tyro would turn a __post_init__ ConfigError
+        # into its own multi-line error box and exit.
+        _apply(base, values)
+        cfg = self._tyro(base, tyro_argv)
+        validate(cfg)
+        return cfg
+
+    def _tyro(self, base: JobConfig, args: list[str]) -> JobConfig:
+        return tyro.cli(
+            self.config_cls, default=base, args=args, prog=self.prog, description=_DESCRIPTION
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Resolve a ``JobConfig`` from ``argv`` (see ``ConfigManager.parse_args``)."""
+    return ConfigManager().parse_args(argv)
+
+
+def to_dict(cfg: JobConfig) -> dict[str, Any]:
+    """The config as nested plain dicts, one per section."""
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The config as TOML text; loading it back with ``--job.config_file`` gives the same config."""
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def flatten(cfg: JobConfig) -> dict[str, Scalar]:
+    """Dotted keys to scalars (lists joined with commas), e.g. for MLflow params."""
+    out: dict[str, Scalar] = {}
+    for section, table in to_dict(cfg).items():
+        for name, value in table.items():
+            out[f"{section}.{name}"] = (
+                ",".join(str(v) for v in value) if isinstance(value, list) else value
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the resolved config as TOML; on a user error print one line to stderr, return 2."""
+    try:
+        cfg = ConfigManager(prog=_PROG).parse_args(argv)
+    except ConfigError as e:
+        print("error: " + str(e).replace("\n", " "), file=sys.stderr)
+        return 2
+    sys.stdout.write(to_toml(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

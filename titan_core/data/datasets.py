@@ -1,0 +1,342 @@
+"""Dataset registry and document sources: one rank's stream of text documents, resumable by row.
+
+A source's rows are split across data-parallel ranks; `iter_from(n)` restarts a rank's stream
+after its first n rows (rows, not documents, so empty rows cannot shift a resume). Empty and
+undecodable rows are skipped and counted in `stats`, never fatal.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from titan_core.data.assets import bundled_corpus_dir
+from titan_core.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
+_COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+# `datasets` builders that read local files: dataset="json" with dataset_path=<data files>.
+HF_FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetSpec:
+    """A registered dataset: a local folder with <split>/ subfolders, or a Hugging Face dataset."""
+
+    description: str
+    local_root: Callable[[], Path] | None = None
+    """Folder holding one subfolder of .jsonl/.txt files per split (resolved lazily)."""
+    hf_path: str = ""
+    """Hugging Face dataset name or path, when not local."""
+    hf_name: str | None = None
+    """Hugging Face config name (e.g. "en" for C4)."""
+    text_field: str = "text"
+    """Row field holding the document text (overrides the caller's text_field)."""
+    splits: tuple[str, ...] = ("train", "validation")
+    """Splits the dataset provides."""
+    missing_hint: str = ""
+    """Appended to the not-found error of a local dataset (how to create it)."""
+
+
+_REGISTRY: dict[str, DatasetSpec] = {
+    "titan_corpus": DatasetSpec(
+        description="Bundled offline English corpus (python -m titan_core.data.assets)",
+        local_root=bundled_corpus_dir,
+        missing_hint="build it with `python -m titan_core.data.assets`",
+    ),
+    "c4": DatasetSpec(
+        description="allenai/c4 'en' from the Hugging Face hub (needs a connection)",
+        hf_path="allenai/c4",
+        hf_name="en",
+    ),
+}
+
+
+def register_dataset(name: str, spec: DatasetSpec, *, overwrite: bool = False) -> None:
+    """Make `name` resolvable by build_document_source (e.g. a test copy of a corpus)."""
+    if name in _REGISTRY and not overwrite:
+        raise ValueError(f"dataset {name!r} is already registered (pass overwrite=True)")
+    _REGISTRY[name] = spec
+
+
+def registered_datasets() -> dict[str, DatasetSpec]:
+    """A copy of the registry: name -> spec."""
+    return dict(_REGISTRY)
+
+
+class DocumentStream(Iterator[str]):
+    """Iterator over one rank's documents; `position` counts the rank's rows consumed so far."""
+
+    def __init__(self, rows: Iterator[str | None], position: int) -> None:
+        self._rows = rows
+        self.position = position
+
+    def __iter__(self) -> DocumentStream:
+        return self
+
+    def __next__(self) -> str:
+        for text in self._rows:
+            self.position += 1
+            if text is not None:
+                return text
+        raise StopIteration
+
+
+class DocumentSource(ABC):
+    """One data-parallel rank's share of a dataset's documents."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.stats: dict[str, int] = {"skipped_empty": 0, "skipped_undecodable": 0}
+
+    @abstractmethod
+    def _rows(self, start: int, stats: dict[str, int]) -> Iterator[str | None]:
+        """This rank's rows from row `start` on: text, or None for a skipped row."""
+
+    def iter_from(self, doc_index: int = 0) -> DocumentStream:
+        """Documents after the first doc_index rows of this rank's stream (exact resume)."""
+        return DocumentStream(self._rows(doc_index, self.stats), doc_index)
+
+    def __iter__(self) -> DocumentStream:
+        return self.iter_from(0)
+
+    def check_nonempty(self) -> None:
+        """Raise DataError unless this rank's stream yields at least one document."""
+        scratch = {"skipped_empty": 0, "skipped_undecodable": 0}  # a peek must not count skips
+        if next(DocumentStream(self._rows(0, scratch), 0), None) is None:
+            raise DataError(f"{self.label}: no documents (skipped rows: {scratch})")
+
+
+def _row_text(row: Any, text_field: str, stats: dict[str, int]) -> str | None:
+    text = row.get(text_field) if isinstance(row, dict) else None
+    if isinstance(text, str) and text.strip():
+        return text
+    stats["skipped_empty"] += 1
+    return None
+
+
+class LocalDocumentSource(DocumentSource):
+    """Documents from local or fsspec .jsonl/.json/.txt files (optionally compressed).
+
+    jsonl: one row per non-blank line; json: an array of rows (else read as JSON lines); txt: one
+    document per blank-line-separated block. Row i (counted across the sorted files) belongs to
+    rank i % world_size.
+    """
+
+    def __init__(
+        self, files: list[str], *, text_field: str, dp_rank: int, dp_world_size: int, label: str
+    ) -> None:
+        super().__init__(label)
+        self.files = files
+        self.text_field = text_field
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+
+    def _rows(self, start: int, stats: dict[str, int]) -> Iterator[str | None]:
+        global_index = mine = 0
+        for file in self.files:
+            for kind, raw in _raw_rows(file):
+                if global_index % self.dp_world_size == self.dp_rank:
+                    if mine >= start:  # rows before start are counted, never parsed
+                        yield self._parse(kind, raw, stats)
+                    mine += 1
+                global_index += 1
+
+    def _parse(self, kind: str, raw: Any, stats: dict[str, int]) -> str | None:
+        if kind == "row":
+            return _row_text(raw, self.text_field, stats)
+        try:
+            text = raw.decode("utf-8")
+            if kind == "txt":
+                return text
+            return _row_text(json.loads(text), self.text_field, stats)
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError both are ValueErrors
+            stats["skipped_undecodable"] += 1
+            return None
+
+
+def _raw_rows(file: str) -> Iterator[tuple[str, Any]]:
+    """(kind, raw) per row: ("txt", block bytes), ("jsonl", line bytes) or ("row", parsed row)."""
+    with fsspec.open(file, "rb", compression="infer") as f:
+        if _strip_compression(file).endswith(".txt"):
+            yield from (("txt", block) for block in _txt_blocks(f))
+            return
+        first = f.read(1)
+        while first.isspace():
+            first = f.read(1)
+        if first == b"[":  # a JSON array file; anything else is read as JSON lines
+            try:
+                rows = json.loads((first + f.read()).decode("utf-8"))
+            except ValueError:
+                raise DataError(f"{file}: expected a JSON array of rows or JSON lines") from None
+            yield from (("row", row) for row in rows)
+            return
+        lines = itertools.chain([first + f.readline()], f) if first else iter(())
+        yield from (("jsonl", line) for line in lines if line.strip())
+
+
+def _txt_blocks(f: Any) -> Iterator[bytes]:
+    block: list[bytes] = []
+    for line in f:
+        if line.strip():
+            block.append(line)
+        elif block:
+            yield b"".join(block).rstrip(b"\r\n")
+            block = []
+    if block:
+        yield b"".join(block).rstrip(b"\r\n")
+
+
+class HFDocumentSource(DocumentSource):
+    """Documents from `datasets.load_dataset`, split across ranks with split_dataset_by_node."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        name: str | None = None,
+        data_files: str | None = None,
+        split: str,
+        streaming: bool,
+        text_field: str,
+        dp_rank: int,
+        dp_world_size: int,
+        label: str,
+    ) -> None:
+        super().__init__(label)
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+
+        try:
+            ds = datasets.load_dataset(
+                path, name=name, data_files=data_files, split=split, streaming=streaming
+            )
+        # datasets raises many types (hub unreachable, unknown dataset/config/split, bad files);
+        # all mean the same to the user: this dataset cannot be read.
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataError(f"{label}: cannot load with `datasets`: {reason}") from e
+        if dp_world_size > 1:
+            ds = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_world_size)
+        self.dataset = ds
+        self.text_field = text_field
+
+    def _rows(self, start: int, stats: dict[str, int]) -> Iterator[str | None]:
+        ds = self.dataset.skip(start) if start else self.dataset
+        for row in ds:
+            yield _row_text(row, self.text_field, stats)
+
+
+def _looks_local(location: str) -> bool:
+    if "://" in location:
+        return not location.startswith("hf://")
+    if os.path.exists(location) or location.startswith(("/", ".", "~")):
+        return True
+    return _strip_compression(location).endswith(TEXT_SUFFIXES)
+
+
+def _local_files(location: str, label: str) -> list[str]:
+    fs, root = fsspec.core.url_to_fs(os.path.expanduser(location))
+    if not fs.exists(root):
+        raise DataError(f"{label}: path not found: {location}")
+    found = [root] if fs.isfile(root) else sorted(fs.find(root))
+    files = [fs.unstrip_protocol(p) if "://" in location else p for p in found]
+    files = [f for f in files if _strip_compression(f).endswith(TEXT_SUFFIXES)]
+    if not files:
+        raise DataError(f"{label}: no {'/'.join(TEXT_SUFFIXES)} files under {location}")
+    return files
+
+
+def _strip_compression(name: str) -> str:
+    for ext in _COMPRESSIONS:
+        name = name.removesuffix(ext)
+    return name
+
+
+def _split_location(location: str, split: str, explicit: bool, label: str) -> str:
+    """Where a local split lives: <location>/<split>/ if present, else location itself."""
+    fs, root = fsspec.core.url_to_fs(os.path.expanduser(location))
+    sub = f"{location.rstrip('/')}/{split}"
+    if fs.isdir(f"{root.rstrip('/')}/{split}"):
+        return sub
+    if split != "train" and not explicit:
+        raise DataError(
+            f"{label}: local files have no {split!r} split; give that split its own dataset_path "
+            f"or use a folder with train/ and {split}/ subfolders"
+        )
+    return location
+
+
+def build_document_source(
+    dataset: str,
+    *,
+    dataset_path: str = "",
+    split: str = "train",
+    text_field: str = "text",
+    streaming: bool = True,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+) -> DocumentSource:
+    """This rank's documents of `dataset`: a registered name, a `datasets` file builder ("json"
+    with dataset_path = data files), a local/fsspec file or folder, else a Hugging Face dataset.
+
+    dataset_path overrides where a registered dataset is read from. Local data is one split unless
+    it is a folder with <split>/ subfolders: 'train' reads it, and another split (validation) reads
+    it only when it came from dataset_path (a path given for that split), so validation never
+    silently re-reads the training files. Registered specs fix their own text_field.
+    """
+    if dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank: expected 0 <= dp_rank < {dp_world_size}, got {dp_rank}")
+    label = f"dataset {dataset!r}" + (f" at {dataset_path!r}" if dataset_path else "")
+    label += f" split {split!r}" + (
+        f" dp rank {dp_rank}/{dp_world_size}" if dp_world_size > 1 else ""
+    )
+    ranks = {"dp_rank": dp_rank, "dp_world_size": dp_world_size}
+    if dataset in _REGISTRY:
+        return _from_spec(_REGISTRY[dataset], dataset_path, split, streaming, label, ranks)
+    if dataset in HF_FILE_BUILDERS:
+        if not dataset_path:
+            raise DataError(f"{label}: the {dataset!r} builder needs dataset_path (its data files)")
+        # The files given are the requested split; `datasets` files them under "train".
+        return HFDocumentSource(
+            dataset, data_files=dataset_path, split="train", streaming=streaming,
+            text_field=text_field, label=label, **ranks,
+        )  # fmt: skip
+    location = dataset_path or dataset
+    if _looks_local(location):
+        location = _split_location(location, split, bool(dataset_path), label)
+        files = _local_files(location, label)
+        return LocalDocumentSource(files, text_field=text_field, label=label, **ranks)
+    return HFDocumentSource(
+        location, split=split, streaming=streaming, text_field=text_field, label=label, **ranks
+    )
+
+
+def _from_spec(
+    spec: DatasetSpec,
+    dataset_path: str,
+    split: str,
+    streaming: bool,
+    label: str,
+    ranks: dict[str, int],
+) -> DocumentSource:
+    if split not in spec.splits:
+        raise DataError(f"{label}: unknown split, expected one of {list(spec.splits)}")
+    if spec.local_root is None:
+        return HFDocumentSource(
+            dataset_path or spec.hf_path, name=spec.hf_name, split=split, streaming=streaming,
+            text_field=spec.text_field, label=label, **ranks,
+        )  # fmt: skip
+    location = f"{(dataset_path or str(spec.local_root())).rstrip('/')}/{split}"
+    try:
+        files = _local_files(location, label)
+    except DataError as e:
+        raise DataError(f"{e}{f' ({spec.missing_hint})' if spec.missing_hint else ''}") from None
+    return LocalDocumentSource(files, text_field=spec.text_field, label=label, **ranks)

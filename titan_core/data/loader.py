@@ -1,0 +1,193 @@
+"""Token packing and batching with exact resume: documents -> fixed-length (input, label) pairs."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Generator, Iterator
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset
+
+from titan_core.data.datasets import DocumentSource, build_document_source
+from titan_core.data.tokenizer import Tokenizer
+from titan_core.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+
+class TextPackingDataset(IterableDataset):
+    """Packs `[bos] + tokens + [eos]` documents into a stream cut into seq_len + 1 token chunks.
+
+    Each chunk gives input = chunk[:-1] and label = chunk[1:] (seq_len,) int64; the next chunk
+    starts after it, as in torchtitan. Infinite: iteration continues from the current state and
+    re-loops the source (epoch += 1) keeping the leftover tokens. Finite: each iteration is one
+    pass from the start (or from a just-loaded state); the last partial chunk is dropped.
+    """
+
+    def __init__(
+        self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, *, infinite: bool
+    ) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len: expected an int >= 1, got {seq_len}")
+        self.source = source
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.infinite = infinite
+        self._epoch = 0
+        self._position = 0  # rows of this rank's stream consumed in the current epoch
+        self._buffer: list[int] = []
+        self._offset = 0  # tokens of _buffer already yielded; trimmed lazily to avoid O(n^2)
+        self._state_loaded = False
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.infinite and not self._state_loaded:
+            self._rewind()  # every finite pass (a validation run) sees the same samples
+        self._state_loaded = False
+        while True:
+            full_pass = self._position == 0
+            num_docs = yield from self._pass()
+            if full_pass and num_docs == 0:  # re-looping would spin forever
+                raise DataError(f"{self.source.label}: no documents")
+            self._epoch += 1
+            self._position = 0
+            if not self.infinite:
+                self._rewind()
+                return
+            logger.info("Dataset %s: starting epoch %d", self.source.label, self._epoch)
+
+    def _pass(self) -> Generator[tuple[torch.Tensor, torch.Tensor], None, int]:
+        """Yield chunks from the current position to the end of the source; return the doc count."""
+        chunk_len = self.seq_len + 1
+        stream = self.source.iter_from(self._position)
+        num_docs = 0
+        for text in stream:
+            num_docs += 1
+            self._buffer = self._buffer[self._offset :]
+            self._offset = 0
+            self._buffer += self.tokenizer.encode(text, bos=True, eos=True)
+            self._position = stream.position
+            while len(self._buffer) - self._offset >= chunk_len:
+                start = self._offset
+                # Advance before yielding: a state_dict() taken now must exclude this chunk.
+                self._offset += chunk_len
+                chunk = torch.tensor(self._buffer[start : start + chunk_len], dtype=torch.long)
+                yield chunk[:-1], chunk[1:]
+        return num_docs
+
+    def _rewind(self) -> None:
+        self._position, self._buffer, self._offset = 0, [], 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, rows consumed and leftover tokens: resuming yields the exact next token."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "buffer": self._buffer[self._offset :],
+            "stats": dict(self.source.stats),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a state_dict() of a dataset over the same source and tokenizer."""
+        self._epoch = state["epoch"]
+        self._position = state["position"]
+        self._buffer = list(state["buffer"])
+        self._offset = 0
+        self._state_loaded = True
+        self.source.stats.update(state.get("stats", {}))
+
+
+class ParallelAwareDataloader(Stateful):
+    """Batches local_batch_size samples into (input_ids, labels) of shape (bs, seq_len), in-process.
+
+    state_dict() is keyed by dp rank ({"dp_rank_R": pickled state}) so that each rank restores its
+    own position from a DCP checkpoint holding every rank's entry.
+    """
+
+    def __init__(
+        self,
+        dataset: TextPackingDataset,
+        *,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_world_size: int,
+    ) -> None:
+        if local_batch_size < 1:
+            raise ValueError(f"local_batch_size: expected an int >= 1, got {local_batch_size}")
+        self.dataset = dataset
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self._key = f"dp_rank_{dp_rank}"
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        inputs: list[torch.Tensor] = []
+        labels: list[torch.Tensor] = []
+        for x, y in self.dataset:
+            inputs.append(x)
+            labels.append(y)
+            if len(inputs) == self.local_batch_size:
+                yield torch.stack(inputs), torch.stack(labels)  # (bs, seq), (bs, seq)
+                inputs, labels = [], []
+        if inputs:  # only finite passes end; keep their last, smaller batch
+            yield torch.stack(inputs), torch.stack(labels)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Rows skipped so far (empty, undecodable), across resumes."""
+        return dict(self.dataset.source.stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"dp_rank_R": pickle of the dataset state plus the dp world size}."""
+        state = self.dataset.state_dict() | {"dp_world_size": self.dp_world_size}
+        return {self._key: pickle.dumps(state)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore this rank's entry; start over (with a warning) if it is absent or mismatched."""
+        if not state_dict:
+            return
+        if self._key not in state_dict:
+            logger.warning("Dataloader state has no %s entry; starting from scratch", self._key)
+            return
+        state = pickle.loads(state_dict[self._key])
+        if state.get("dp_world_size") != self.dp_world_size:
+            logger.warning(
+                "Dataloader state was saved with dp world size %s, now %s; starting from scratch",
+                state.get("dp_world_size"),
+                self.dp_world_size,
+            )
+            return
+        self.dataset.load_state_dict(state)
+
+
+def build_dataloader(
+    *,
+    dataset: str,
+    dataset_path: str = "",
+    split: str = "train",
+    text_field: str = "text",
+    streaming: bool = True,
+    tokenizer: Tokenizer,
+    local_batch_size: int,
+    seq_len: int,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+    infinite: bool = True,
+) -> ParallelAwareDataloader:
+    """Resolve the dataset for this dp rank, check it has documents, and wrap it for training."""
+    source = build_document_source(
+        dataset,
+        dataset_path=dataset_path,
+        split=split,
+        text_field=text_field,
+        streaming=streaming,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+    )
+    source.check_nonempty()
+    packed = TextPackingDataset(source, tokenizer, seq_len, infinite=infinite)
+    return ParallelAwareDataloader(
+        packed, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size
+    )

@@ -1,0 +1,33 @@
+"""FSDP2 (``fully_shard``) per block and at the root; HSDP when a replicate dim exists."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def apply_fsdp(
+    model: nn.Module,
+    blocks: Iterable[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    param_dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward: bool,
+    cpu_offload: bool = False,
+) -> None:
+    """Shard each block, then the root (which holds embeddings, final norm and output)."""
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    kwargs = {"mesh": mesh, "mp_policy": mp}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's params are needed again at once by backward: never reshard them after forward.
+    fully_shard(model, reshard_after_forward=False, **kwargs)

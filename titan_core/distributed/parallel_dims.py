@@ -1,0 +1,132 @@
+"""Parallel degrees, their validation, and the named device mesh built from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titan_core.config.job import Parallelism
+from titan_core.errors import ConfigError
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of each parallel dimension for one world; ``dp_shard=-1`` takes the rest."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+    _mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "cp", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"parallelism: {name} degree must be >= 1, got {getattr(self, name)}"
+                )
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ConfigError(
+                    f"parallelism: world size {self.world_size} is not divisible by "
+                    f"dp_replicate*cp*tp*pp = {others}"
+                )
+            self.dp_shard = self.world_size // others
+        if self.dp_shard < 1:
+            raise ConfigError(
+                f"parallelism.data_parallel_shard_degree: expected -1 or >= 1, got {self.dp_shard}"
+            )
+        if others * self.dp_shard != self.world_size:
+            raise ConfigError(
+                f"parallelism: dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * "
+                f"cp({self.cp}) * tp({self.tp}) * pp({self.pp}) = {others * self.dp_shard} "
+                f"!= world size {self.world_size}"
+            )
+
+    @classmethod
+    def from_config(cls, parallelism: Parallelism, world_size: int) -> ParallelDims:
+        """Build from the ``parallelism`` config section for a given world size."""
+        return cls(
+            dp_replicate=parallelism.data_parallel_replicate_degree,
+            dp_shard=parallelism.data_parallel_shard_degree,
+            cp=parallelism.context_parallel_degree,
+            tp=parallelism.tensor_parallel_degree,
+            pp=parallelism.pipeline_parallel_degree,
+            world_size=world_size,
+        )
+
+    def validate_model(self, n_heads: int, n_kv_heads: int, n_layers: int) -> None:
+        """Check that the model's shapes can be split by these degrees."""
+        if n_heads % self.tp or n_kv_heads % self.tp:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree: {self.tp} must divide n_heads ({n_heads}) "
+                f"and n_kv_heads ({n_kv_heads})"
+            )
+        if self.pp > n_layers:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_degree: {self.pp} exceeds the number of layers "
+                f"({n_layers})"
+            )
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the world mesh with named dims (pp, dp_replicate, dp_shard, cp, tp) and the
+        flattened views the loss and FSDP use (dp, dp_shard_cp, dp_cp)."""
+        names, degrees = [], []
+        for name, degree in (
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            ("dp_shard", self.dp_shard),
+            ("cp", self.cp),
+            ("tp", self.tp),
+        ):
+            if degree > 1:
+                names.append(name)
+                degrees.append(degree)
+        if not names:  # A world of one still gets a mesh so code paths stay uniform.
+            names, degrees = ["dp_shard"], [1]
+        mesh = init_device_mesh(device_type, tuple(degrees), mesh_dim_names=tuple(names))
+        dp_names = [n for n in ("dp_replicate", "dp_shard") if n in names]
+        if len(dp_names) > 1:
+            mesh[tuple(dp_names)]._flatten(mesh_dim_name="dp")
+        shard_cp = [n for n in ("dp_shard", "cp") if n in names]
+        if len(shard_cp) > 1:
+            mesh[tuple(shard_cp)]._flatten(mesh_dim_name="dp_shard_cp")
+        dp_cp = [n for n in ("dp_replicate", "dp_shard", "cp") if n in names]
+        if len(dp_cp) > 1:
+            mesh[tuple(dp_cp)]._flatten(mesh_dim_name="dp_cp")
+        self._mesh = mesh
+        return mesh
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The mesh built by ``build_mesh``."""
+        assert self._mesh is not None, "build_mesh() has not been called"
+        return self._mesh
+
+    @property
+    def dp_enabled(self) -> bool:
+        """Whether any data parallelism (replicate or shard) is on."""
+        return self.dp_replicate * self.dp_shard > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Whether parameters are sharded (FSDP, or the shard dim of HSDP, incl. CP)."""
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def dp_degree(self) -> int:
+        """Number of distinct data streams (ranks that see different samples)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that share one data stream (cp * tp * pp)."""
+        return self.cp * self.tp * self.pp
+
+    def dp_rank(self, global_rank: int) -> int:
+        """This rank's index among the data streams (row-major mesh order pp, dp, cp, tp)."""
+        return (global_rank // (self.cp * self.tp)) % self.dp_degree

@@ -1,0 +1,106 @@
+"""Process-group set-up, device choice, seeding and determinism."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from titan_core.logging import logger
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: rank, world, local rank and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_rank0(self) -> bool:
+        """True on the global rank 0."""
+        return self.rank == 0
+
+
+def device_type() -> str:
+    """``cuda`` when a GPU is visible, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(init_timeout_seconds: int, trace_buf_size: int, dump_folder: str) -> DistInfo:
+    """Initialize the default process group from torchrun's environment (no-op for one process)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev_type = device_type()
+    if dev_type == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        if trace_buf_size > 0:
+            # The flight recorder is configured through env vars read at process-group creation.
+            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
+            os.environ.setdefault(
+                "TORCH_FR_DUMP_TEMP_FILE", os.path.join(dump_folder, "comm_traces", "rank_")
+            )
+        backend = "cuda:nccl,cpu:gloo" if dev_type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend, timeout=datetime.timedelta(seconds=init_timeout_seconds)
+        )
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def set_determinism(seed: int, deterministic: bool, warn_only: bool, rank_offset: int = 0) -> None:
+    """Seed every RNG (offset per pipeline stage when asked) and optionally force determinism."""
+    seed = seed + rank_offset
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is optional for the engine
+        pass
+    if deterministic:
+        logger.info("Deterministic algorithms enabled (slower; warn_only=%s)", warn_only)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+def barrier() -> None:
+    """Barrier over the default group when one exists."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def destroy_process_group() -> None:
+    """Tear the default group down if it was created."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global gradient norm over all ranks' shards; clips in place when ``max_norm > 0``."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(total_norm, DTensor):
+        # The local norm is a partial over sharded dims; full_tensor() reduces it across ranks.
+        total_norm = total_norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
+    return total_norm

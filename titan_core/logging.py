@@ -1,0 +1,27 @@
+"""The engine's logger: one per process, rank-tagged when distributed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger("titan")
+
+
+def init_logger(level: int = logging.INFO) -> None:
+    """Configure the ``titan`` logger once, prefixing the rank under torchrun."""
+    if getattr(init_logger, "_done", False):
+        return
+    rank = os.environ.get("RANK")
+    prefix = (
+        f"[rank{rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    )
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        logging.Formatter(f"{prefix}[titan] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    )
+    logger.handlers[:] = [handler]
+    logger.setLevel(level)
+    logger.propagate = False
+    init_logger._done = True  # type: ignore[attr-defined]

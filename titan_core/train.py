@@ -1,0 +1,47 @@
+"""torchrun entry point: parse the config, build the trainer, train, close.
+
+torchrun --nproc_per_node=2 -m titan_core.train --module llama3 --config llama3_debugmodel
+"""
+
+from __future__ import annotations
+
+import sys
+
+from titan_core.config.job import JobConfig
+from titan_core.config.manager import parse_args
+from titan_core.errors import TitanError
+from titan_core.logging import init_logger, logger
+from titan_core.trainer import Trainer
+
+
+def run(cfg: JobConfig) -> list[dict[str, float]]:
+    """Train (or only write the seed checkpoint) for a resolved config; returns logged metrics."""
+    trainer = Trainer(cfg)
+    try:
+        if cfg.checkpoint.create_seed_checkpoint:
+            if trainer.dist.world_size != 1:
+                raise TitanError(
+                    "checkpoint.create_seed_checkpoint: run it with one process "
+                    f"(NGPU=1), got world size {trainer.dist.world_size}"
+                )
+            path = trainer.checkpointer.save_seed()
+            logger.info("Seed checkpoint written to %s", path)
+            return []
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one job; user errors print one line on stderr and return 2."""
+    init_logger()
+    try:
+        run(parse_args(argv))
+    except TitanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""The trainer: builds every component from a ``JobConfig``, then runs the step loop.
+
+It stays small by delegating: data (``data``), model + parallelism (``models``/``distributed``),
+optimizer/schedule/metrics/profiling/validation (``components``), state (``checkpoint``).
+Everything that can reject bad input runs before anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from titan_core.checkpoint import storage
+from titan_core.checkpoint.manager import CheckpointManager
+from titan_core.checkpoint.states import ModelState, TrainState
+from titan_core.components.loss import cross_entropy_loss
+from titan_core.components.lr_scheduler import LRSchedulerState, build_lr_scheduler
+from titan_core.components.metrics import (
+    ConsoleSink,
+    JsonlSink,
+    MemoryMonitor,
+    MetricsProcessor,
+    MetricsSink,
+    TensorBoardSink,
+    device_peak_tflops,
+)
+from titan_core.components.optimizer import OptimizerState, build_optimizer
+from titan_core.components.profiling import MemoryProfiler, maybe_enable_profiling
+from titan_core.components.validate import Validator
+from titan_core.config.job import JobConfig
+from titan_core.config.manager import to_toml
+from titan_core.data import Tokenizer, build_dataloader, default_tokenizer_path
+from titan_core.distributed import utils as dist_utils
+from titan_core.distributed.parallel_dims import ParallelDims
+from titan_core.errors import ConfigError
+from titan_core.logging import init_logger, logger
+from titan_core.models import get_flavor, get_model_spec
+from titan_core.models.llama3.parallelize import check_supported, parallelize_llama
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def local_side_folder(dump_folder: str) -> str:
+    """Local folder for traces, snapshots, TensorBoard and metrics.jsonl.
+
+    These writers need a real file system; when the dump folder is a URL they go to a local
+    mirror that the pipeline uploads.
+    """
+    if not storage.is_url(dump_folder):
+        return dump_folder.removeprefix("file://")
+    safe = dump_folder.replace("://", "_").replace("/", "_")
+    return os.path.join(tempfile.gettempdir(), "titan_runs", safe)
+
+
+def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> Any:
+    """The flavor's model args with the vocabulary, depth and RoPE length this job needs."""
+    args = get_flavor(cfg.model.name, cfg.model.flavor)
+    if 0 < cfg.model.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size: expected >= the tokenizer's {tokenizer_vocab} "
+            f"tokens, got {cfg.model.vocab_size}"
+        )
+    args.vocab_size = cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab
+    if cfg.model.n_layers > 0:
+        args.n_layers = cfg.model.n_layers
+    if cfg.model.max_seq_len > 0:
+        if cfg.model.max_seq_len < cfg.training.seq_len:
+            raise ConfigError(
+                f"model.max_seq_len: expected >= training.seq_len "
+                f"({cfg.training.seq_len}), got {cfg.model.max_seq_len}"
+            )
+        args.max_seq_len = cfg.model.max_seq_len
+    else:
+        args.max_seq_len = max(args.max_seq_len, cfg.training.seq_len)
+    return args
+
+
+class Trainer:
+    """Single entry for one training job on this process (one rank under torchrun)."""
+
+    def __init__(self, cfg: JobConfig, extra_sinks: list[MetricsSink] | None = None) -> None:
+        init_logger()
+        self.cfg = cfg
+        if cfg.debug.num_threads:
+            torch.set_num_threads(cfg.debug.num_threads)
+        self.dist = dist_utils.init_distributed(
+            cfg.comm.init_timeout_seconds,
+            cfg.comm.trace_buf_size,
+            local_side_folder(cfg.job.dump_folder),
+        )
+        self.device = self.dist.device
+        self.parallel_dims = ParallelDims.from_config(cfg.parallelism, self.dist.world_size)
+        check_supported(self.parallel_dims, cfg, self.device.type)
+
+        # Everything that validates input comes first: nothing is written before it passes.
+        self.tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
+        spec = get_model_spec(cfg.model.name)
+        self.model_args = build_model_args(cfg, self.tokenizer.n_words)
+        self.parallel_dims.validate_model(
+            self.model_args.n_heads,
+            self.model_args.n_kv_heads or self.model_args.n_heads,
+            self.model_args.n_layers,
+        )
+        dp_rank = self.parallel_dims.dp_rank(self.dist.rank)
+        self.dataloader = self._build_loader(
+            cfg.training.dataset,
+            cfg.training.dataset_path,
+            cfg.training.dataset_split,
+            dp_rank,
+            infinite=True,
+        )
+        self.validator = self._build_validator(dp_rank)
+
+        if self.dist.world_size > 1:
+            self.parallel_dims.build_mesh(self.device.type)
+        dist_utils.set_determinism(
+            cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only
+        )
+        self.model = self._build_model(spec)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.train_state = TrainState(rank=self.dist.rank)
+        self.checkpointer = CheckpointManager(
+            cfg.checkpoint,
+            cfg.job.dump_folder,
+            {
+                "model": ModelState(self.model),
+                "optimizer": OptimizerState(self.model, self.optimizer),
+                "lr_scheduler": LRSchedulerState(self.lr_scheduler),
+                "dataloader": self.dataloader,
+                "train_state": self.train_state,
+            },
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )
+        self.loss_fn = cross_entropy_loss
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
+        self.extra_sinks = extra_sinks or []
+        self.metrics: MetricsProcessor | None = None
+
+    # ------------------------------------------------------------------ building
+    def _build_loader(
+        self,
+        dataset: str,
+        path: str,
+        split: str,
+        dp_rank: int,
+        infinite: bool,
+        batch_size: int | None = None,
+    ) -> Any:
+        t = self.cfg.training
+        return build_dataloader(
+            dataset=dataset,
+            dataset_path=path,
+            split=split,
+            text_field=t.dataset_text_field,
+            streaming=t.dataset_streaming,
+            tokenizer=self.tokenizer,
+            local_batch_size=batch_size or t.local_batch_size,
+            seq_len=t.seq_len,
+            dp_rank=dp_rank,
+            dp_world_size=self.parallel_dims.dp_degree,
+            infinite=infinite,
+        )
+
+    def _build_validator(self, dp_rank: int) -> Validator:
+        v = self.cfg.validation
+        dataset = v.dataset or self.cfg.training.dataset
+        path = "" if v.dataset else self.cfg.training.dataset_path
+        batch = v.local_batch_size if v.local_batch_size > 0 else None
+
+        def build() -> Any:
+            return self._build_loader(dataset, path, v.dataset_split, dp_rank, False, batch)
+
+        if v.enable:
+            build()  # fail now, before writing anything, if the split is missing or empty
+        group = None
+        if self.parallel_dims.dp_enabled and self.dist.world_size > 1:
+            mesh = self.parallel_dims.mesh
+            dp_dim = "dp" if "dp_replicate" in mesh.mesh_dim_names else "dp_shard"
+            group = mesh[dp_dim].get_group()
+        return Validator(v, build, cross_entropy_loss, self.device, group)
+
+    def _build_model(self, spec: Any) -> torch.nn.Module:
+        # Build on meta, parallelize, then materialize: no rank ever holds the full model.
+        with torch.device("meta"):
+            model = spec.model_cls(self.model_args)
+        nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(
+            model, self.cfg.training.seq_len
+        )
+        logger.info(
+            "Model %s %s: %s parameters, %.3e training FLOPs/token",
+            self.cfg.model.name,
+            self.cfg.model.flavor,
+            f"{nparams:,}",
+            self.flops_per_token,
+        )
+        parallelize_llama(model, self.parallel_dims, self.cfg)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        model.train()
+        return model
+
+    def _build_metrics(self) -> MetricsProcessor:
+        cfg, side = self.cfg, local_side_folder(self.cfg.job.dump_folder)
+        sinks: list[MetricsSink] = [ConsoleSink(cfg.metrics.color)]
+        if self.dist.is_rank0:
+            if cfg.metrics.enable_jsonl:
+                sinks.append(JsonlSink(os.path.join(side, "metrics.jsonl")))
+            if cfg.metrics.enable_tensorboard:
+                sinks.append(TensorBoardSink(os.path.join(side, cfg.metrics.save_tb_folder)))
+            sinks.extend(self.extra_sinks)
+        dtype = _DTYPES[
+            cfg.training.mixed_precision_param
+            if self.parallel_dims.fsdp_enabled
+            else cfg.training.autocast_dtype
+        ]
+        return MetricsProcessor(
+            cfg.metrics,
+            self.flops_per_token,
+            device_peak_tflops(self.device, cfg.metrics, dtype),
+            MemoryMonitor(self.device),
+            sinks,
+        )
+
+    def _write_config(self) -> None:
+        if self.dist.is_rank0 and self.cfg.job.save_config:
+            storage.write_text_atomic(
+                storage.join(self.cfg.job.dump_folder, "config.toml"), to_toml(self.cfg)
+            )
+        if self.cfg.job.print_config:
+            logger.info("Resolved config:\n%s", to_toml(self.cfg))
+
+    # ------------------------------------------------------------------ stepping
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        dtype = self.cfg.training.autocast_dtype
+        if dtype == "float32" or self.parallel_dims.fsdp_enabled:
+            return contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy handles it instead
+        return torch.autocast(self.device.type, dtype=_DTYPES[dtype])
+
+    def train_step(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over ``batches`` (gradient accumulation); returns detached
+        (loss, grad_norm) without synchronizing the host."""
+        self.optimizer.zero_grad()
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            with self._autocast():
+                pred = self.model(inputs)  # (bs, seq, vocab)
+            loss = self.loss_fn(pred, labels) / len(batches)
+            del pred  # free the logits before backward needs the memory
+            loss.backward()
+            loss_sum += loss.detach()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = dist_utils.clip_grad_norm_(params, self.cfg.training.max_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return loss_sum, grad_norm
+
+    def _next_batches(self, data_iter: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        start = time.perf_counter()
+        batches = []
+        for _ in range(self.cfg.training.gradient_accumulation_steps):
+            inputs, labels = next(data_iter)
+            batches.append((inputs.to(self.device), labels.to(self.device)))
+        self.metrics.add_data_time(time.perf_counter() - start)
+        return batches
+
+    def _reduce_for_log(self, loss: torch.Tensor) -> float:
+        if self.dist.world_size > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        return loss.item()
+
+    def train(self) -> list[dict[str, float]]:
+        """Run until ``training.steps``; returns the logged metrics of each logged step."""
+        cfg = self.cfg
+        self.train_state.step = self.checkpointer.load()
+        start_step = self.train_state.step
+        if start_step >= cfg.training.steps:
+            logger.info(
+                "Checkpoint is at step %d >= training.steps=%d: nothing to train",
+                start_step,
+                cfg.training.steps,
+            )
+            return []
+        self._write_config()
+        self.metrics = self._build_metrics()
+        mem_profiler = (
+            MemoryProfiler(
+                cfg.profiling,
+                local_side_folder(cfg.job.dump_folder),
+                self.dist.rank,
+                self.device,
+                self.model,
+                self.optimizer,
+            )
+            if cfg.profiling.enable_memory_snapshot
+            else None
+        )
+        tokens_per_step = (
+            cfg.training.local_batch_size
+            * cfg.training.seq_len
+            * cfg.training.gradient_accumulation_steps
+        )
+        logger.info(
+            "Training steps %d → %d, %d tokens/step/rank, world size %d",
+            start_step + 1,
+            cfg.training.steps,
+            tokens_per_step,
+            self.dist.world_size,
+        )
+        history: list[dict[str, float]] = []
+        gc.disable()  # collected every gc_freq steps instead, so pauses are predictable
+        data_iter = iter(self.dataloader)
+        with maybe_enable_profiling(
+            cfg.profiling, local_side_folder(cfg.job.dump_folder), self.dist.rank, start_step
+        ) as profiler:
+            while self.train_state.step < cfg.training.steps:
+                step = self.train_state.step = self.train_state.step + 1
+                if step % cfg.training.gc_freq == 0:
+                    gc.collect(1)
+                batches = self._next_batches(data_iter)
+                try:
+                    loss, grad_norm = self.train_step(batches)
+                except torch.OutOfMemoryError:
+                    if mem_profiler:
+                        mem_profiler.step(step, exit_=True)
+                    raise
+                self.train_state.ntokens_seen += tokens_per_step
+                self.metrics.add_step(tokens_per_step)
+                last = step == cfg.training.steps
+                if self.metrics.should_log(step) or last:
+                    history.append(
+                        {
+                            "step": step,
+                            **self.metrics.log(
+                                step,
+                                self._reduce_for_log(loss),
+                                grad_norm.item(),
+                                self.lr_scheduler.get_last_lr()[0],
+                            ),
+                        }
+                    )
+                if self.validator.should_validate(step, last):
+                    val = self.validator.validate(self.model)
+                    logger.info("step: %5d  validation loss: %.4f", step, val["validation/loss"])
+                    self.metrics.log_scalars(step, val)
+                    if history and history[-1]["step"] == step:
+                        history[-1].update(val)
+                    else:
+                        history.append({"step": step, **val})
+                self.checkpointer.save(step, last=last)
+                self.checkpointer.poll()
+                if profiler is not None:
+                    profiler.step()
+                if mem_profiler:
+                    mem_profiler.step(step)
+        gc.enable()
+        if mem_profiler:
+            mem_profiler.close()
+        logger.info(
+            "Training done at step %d; data skipped: %s",
+            self.train_state.step,
+            getattr(self.dataloader, "stats", {}),
+        )
+        return history
+
+    def close(self) -> None:
+        """Finish background saves, close sinks, and tear down the process group."""
+        self.checkpointer.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        dist_utils.destroy_process_group()
