@@ -1,6 +1,12 @@
 """Shared pytest fixtures, one section per component."""
 
+import os
 from pathlib import Path
+
+# Bitwise comparisons between in-process runs and subprocesses need MKL's reproducible mode,
+# which MKL reads once, at its first call in this process (see distributed/utils.py).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 import pytest
 

@@ -6,20 +6,27 @@ import json
 import pickle
 import time
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import fsspec
 import pytest
 import torch
-from pydoc_data.topics import topics
 
 from titan_core.data import assets as assets_mod
 from titan_core.data.assets import ensure_assets, paragraph_groups, strip_gutenberg
-from titan_core.data.datasets import DatasetSpec, build_document_source, register_dataset
-from titan_core.data.loader import build_dataloader
+from titan_core.data.datasets import (
+    DatasetSpec,
+    build_document_source,
+    is_local_dataset,
+    register_dataset,
+)
+from titan_core.data.loader import ParallelAwareDataloader, build_dataloader
 from titan_core.data.tokenizer import Tokenizer, train_bpe
 from titan_core.errors import DataError
 
-DOCS = [f"Document {i}: " + " ".join(f"word{i * 7 + j}" for j in range(3 + i % 9)) for i in range(23)]
+DOCS = [
+    f"Document {i}: " + " ".join(f"word{i * 7 + j}" for j in range(3 + i % 9)) for i in range(23)
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +44,7 @@ def _docs(dataset: str, **kwargs: object) -> list[str]:
     return list(build_document_source(dataset, **kwargs))  # type: ignore[arg-type]
 
 
-def _loader(tok: Tokenizer, dataset: str, **kwargs: object):  # noqa: ANN202
+def _loader(tok: Tokenizer, dataset: str, **kwargs: object) -> ParallelAwareDataloader:
     defaults = {"tokenizer": tok, "local_batch_size": 3, "seq_len": 16, "infinite": True}
     return build_dataloader(dataset=dataset, **(defaults | kwargs))  # type: ignore[arg-type]
 
@@ -71,7 +78,7 @@ def test_rank_split_is_round_robin_disjoint_and_covering(tmp_path: Path) -> None
         _write_jsonl(tmp_path / f"part-{i}.jsonl", DOCS[i * 8 : (i + 1) * 8])
     shares = [_docs(str(tmp_path), dp_rank=r, dp_world_size=3) for r in range(3)]
     assert shares == [DOCS[r::3] for r in range(3)]
-    assert sorted(sum(shares, [])) == sorted(DOCS)
+    assert sorted(d for share in shares for d in share) == sorted(DOCS)
 
 
 def test_bad_rows_are_skipped_and_counted(tmp_path: Path) -> None:
@@ -136,7 +143,11 @@ def test_validation_split_of_local_data(tmp_path: Path) -> None:
     # a file given explicitly as dataset_path serves whichever split asks for it
     val_file = str(tmp_path / "validation" / "part-0000.jsonl")
     assert _docs("mine", dataset_path=val_file, split="validation") == DOCS[20:]
-    register_dataset("tiny_test", DatasetSpec(description="t", local_root=lambda: tmp_path), overwrite=True)
+    assert _docs(val_file, dataset_path=val_file, split="validation") == DOCS[20:]
+    assert is_local_dataset(val_file) and not is_local_dataset("allenai/c4")
+    register_dataset(
+        "tiny_test", DatasetSpec(description="t", local_root=lambda: tmp_path), overwrite=True
+    )
     assert _docs("tiny_test", split="train") == DOCS[:20]
 
 
@@ -168,7 +179,7 @@ def test_finite_loader_repeats_each_pass(tmp_path: Path, tok: Tokenizer) -> None
     assert all(torch.equal(a, b) for a, b in zip(full, [x for x, _ in loader], strict=True))
 
 
-def _take(loader, n: int) -> list[torch.Tensor]:  # noqa: ANN001
+def _take(loader: ParallelAwareDataloader, n: int) -> list[torch.Tensor]:
     it = iter(loader)
     return [torch.cat(next(it)) for _ in range(n)]
 

@@ -1,9 +1,9 @@
 """Tokenizer: tiktoken export of a trained BPE matches HF tokenizers; Llama 3 specials; errors."""
 
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import pytest
-from pydoc_data.topics import topics
 from tokenizers import pre_tokenizers, trainers
 
 from titan_core.data.tokenizer import (
@@ -101,7 +101,7 @@ def test_llama3_special_tokens(tok: Tokenizer) -> None:
 
 def test_missing_file_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope.tiktoken"
-    with pytest.raises(DataError, match="tokenizer.path: file not found: .*nope.tiktoken") as e:
+    with pytest.raises(DataError, match=r"tokenizer\.path: file not found: .*nope\.tiktoken") as e:
         Tokenizer(str(missing))
     assert "python -m titan_core.data.assets" in str(e.value)
     assert "\n" not in str(e.value)
@@ -132,5 +132,5 @@ def test_rewritten_file_is_reloaded(tmp_path: Path, ranks_file: Path) -> None:
 
 
 def test_vocab_size_too_small(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="train_bpe.vocab_size"):
+    with pytest.raises(DataError, match=r"train_bpe\.vocab_size"):
         train_bpe(["abc"], 256, tmp_path / "x.tiktoken")

@@ -37,6 +37,7 @@ from titan_core.components.validate import Validator
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import to_toml
 from titan_core.data import Tokenizer, build_dataloader, default_tokenizer_path
+from titan_core.data.datasets import is_local_dataset
 from titan_core.distributed import utils as dist_utils
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.errors import ConfigError
@@ -98,6 +99,8 @@ class Trainer:
         self.device = self.dist.device
         self.parallel_dims = ParallelDims.from_config(cfg.parallelism, self.dist.world_size)
         check_supported(self.parallel_dims, cfg, self.device.type)
+        if self.dist.world_size > 1:
+            self.parallel_dims.build_mesh(self.device.type)
 
         # Everything that validates input comes first: nothing is written before it passes.
         self.tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
@@ -118,8 +121,6 @@ class Trainer:
         )
         self.validator = self._build_validator(dp_rank)
 
-        if self.dist.world_size > 1:
-            self.parallel_dims.build_mesh(self.device.type)
         dist_utils.set_determinism(
             cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only
         )
@@ -174,7 +175,12 @@ class Trainer:
     def _build_validator(self, dp_rank: int) -> Validator:
         v = self.cfg.validation
         dataset = v.dataset or self.cfg.training.dataset
-        path = "" if v.dataset else self.cfg.training.dataset_path
+        # A separate local validation file is both the dataset and its path; a registered or
+        # Hugging Face name reads its validation split.
+        if v.dataset:
+            path = v.dataset if is_local_dataset(v.dataset) else ""
+        else:
+            path = self.cfg.training.dataset_path
         batch = v.local_batch_size if v.local_batch_size > 0 else None
 
         def build() -> Any:
@@ -285,8 +291,9 @@ class Trainer:
     def train(self) -> list[dict[str, float]]:
         """Run until ``training.steps``; returns the logged metrics of each logged step."""
         cfg = self.cfg
-        self.train_state.step = self.checkpointer.load()
-        start_step = self.train_state.step
+        start_step = self.train_state.step = self.checkpointer.load()
+        if self.lr_scheduler.last_epoch != start_step:  # a model-only checkpoint has no schedule
+            LRSchedulerState(self.lr_scheduler).load_state_dict({"last_epoch": start_step})
         if start_step >= cfg.training.steps:
             logger.info(
                 "Checkpoint is at step %d >= training.steps=%d: nothing to train",

@@ -128,7 +128,10 @@ class CheckpointManager:
         keys = ["model"] if marker["model_only"] else self._loadable_keys()
         start = time.perf_counter()
         self._dcp_load(path, keys)
-        step = 0 if marker["model_only"] else self._restored_step()
+        step = marker["step"] if marker["model_only"] else self._restored_step()
+        if marker["model_only"] and step > 0:
+            logger.warning("step-%d holds model weights only: optimizer, dataloader and RNG "
+                           "state start fresh from here", step)
         logger.info(
             "Loaded %s from %s (step %d) in %.2fs",
             keys,

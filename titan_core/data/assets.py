@@ -232,12 +232,19 @@ def _read_split(corpus: Path, split: str) -> Iterator[str]:
 
 def _build(root: Path) -> dict[str, object]:
     started = time.perf_counter()
+    sources: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as download:
-        sources = {
-            "python_reference": python_reference_docs(),
-            "stdlib_docstrings": stdlib_docstring_docs(),
-            "shakespeare": shakespeare_docs(Path(download)),
+        readers = {
+            "python_reference": python_reference_docs,
+            "stdlib_docstrings": stdlib_docstring_docs,
+            "shakespeare": lambda: shakespeare_docs(Path(download)),
         }
+        for name, read in readers.items():
+            t0 = time.perf_counter()
+            sources[name] = read()
+            logger.info(
+                "%s: %d documents (%.1fs)", name, len(sources[name]), time.perf_counter() - t0
+            )
     stats = {
         k: {"docs": len(v), "bytes": sum(len(d.encode()) for d in v)} for k, v in sources.items()
     }

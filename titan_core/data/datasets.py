@@ -226,15 +226,23 @@ class HFDocumentSource(DocumentSource):
         if dp_world_size > 1:
             ds = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_world_size)
         self.dataset = ds
+        # Streaming .skip(n) after split_dataset_by_node skips n rows of the *global* stream
+        # (the node split is applied last), so such sources read past their own rows instead.
+        self._skip_by_reading = dp_world_size > 1 and isinstance(ds, datasets.IterableDataset)
         self.text_field = text_field
 
     def _rows(self, start: int, stats: dict[str, int]) -> Iterator[str | None]:
-        ds = self.dataset.skip(start) if start else self.dataset
-        for row in ds:
+        rows: Iterator[Any]
+        if self._skip_by_reading:
+            rows = itertools.islice(iter(self.dataset), start, None)
+        else:
+            rows = iter(self.dataset.skip(start) if start else self.dataset)
+        for row in rows:
             yield _row_text(row, self.text_field, stats)
 
 
-def _looks_local(location: str) -> bool:
+def is_local_dataset(location: str) -> bool:
+    """Whether build_document_source reads `location` as local/fsspec files (not a hub name)."""
     if "://" in location:
         return not location.startswith("hf://")
     if os.path.exists(location) or location.startswith(("/", ".", "~")):
@@ -263,9 +271,8 @@ def _strip_compression(name: str) -> str:
 def _split_location(location: str, split: str, explicit: bool, label: str) -> str:
     """Where a local split lives: <location>/<split>/ if present, else location itself."""
     fs, root = fsspec.core.url_to_fs(os.path.expanduser(location))
-    sub = f"{location.rstrip('/')}/{split}"
     if fs.isdir(f"{root.rstrip('/')}/{split}"):
-        return sub
+        return f"{location.rstrip('/')}/{split}"
     if split != "train" and not explicit:
         raise DataError(
             f"{label}: local files have no {split!r} split; give that split its own dataset_path "
@@ -285,19 +292,19 @@ def build_document_source(
     dp_world_size: int = 1,
 ) -> DocumentSource:
     """This rank's documents of `dataset`: a registered name, a `datasets` file builder ("json"
-    with dataset_path = data files), a local/fsspec file or folder, else a Hugging Face dataset.
+    etc., files in dataset_path), a local/fsspec file or folder, else a Hugging Face dataset name.
 
     dataset_path overrides where a registered dataset is read from. Local data is one split unless
     it is a folder with <split>/ subfolders: 'train' reads it, and another split (validation) reads
     it only when it came from dataset_path (a path given for that split), so validation never
-    silently re-reads the training files. Registered specs fix their own text_field.
+    silently re-reads the training files. Registered specs fix their own text_field; `streaming`
+    applies to Hugging Face datasets only.
     """
     if dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank: expected 0 <= dp_rank < {dp_world_size}, got {dp_rank}")
-    label = f"dataset {dataset!r}" + (f" at {dataset_path!r}" if dataset_path else "")
-    label += f" split {split!r}" + (
-        f" dp rank {dp_rank}/{dp_world_size}" if dp_world_size > 1 else ""
-    )
+    where = f" at {dataset_path!r}" if dataset_path else ""
+    rank = f" dp rank {dp_rank}/{dp_world_size}" if dp_world_size > 1 else ""
+    label = f"dataset {dataset!r}{where} split {split!r}{rank}"
     ranks = {"dp_rank": dp_rank, "dp_world_size": dp_world_size}
     if dataset in _REGISTRY:
         return _from_spec(_REGISTRY[dataset], dataset_path, split, streaming, label, ranks)
@@ -310,7 +317,7 @@ def build_document_source(
             text_field=text_field, label=label, **ranks,
         )  # fmt: skip
     location = dataset_path or dataset
-    if _looks_local(location):
+    if is_local_dataset(location):
         location = _split_location(location, split, bool(dataset_path), label)
         files = _local_files(location, label)
         return LocalDocumentSource(files, text_field=text_field, label=label, **ranks)

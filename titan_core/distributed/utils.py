@@ -73,6 +73,11 @@ def set_determinism(seed: int, deterministic: bool, warn_only: bool, rank_offset
         pass
     if deterministic:
         logger.info("Deterministic algorithms enabled (slower; warn_only=%s)", warn_only)
+        # MKL picks sgemm kernels by memory alignment, which differs between processes, so a
+        # resumed run (a new process) would drift in the last bits. Conditional Numerical
+        # Reproducibility fixes the code path; MKL reads it at its first call, which has not
+        # happened yet when the trainer gets here.
+        os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=warn_only)
         torch.backends.cudnn.deterministic = True

@@ -33,9 +33,13 @@ def llama3_debugmodel() -> JobConfig:
         model=Model(name="llama3", flavor="debugmodel"),
         training=Training(local_batch_size=8, seq_len=256, steps=200),
         optimizer=Optimizer(lr=8e-4),
-        lr_scheduler=LRScheduler(warmup_steps=20, decay_type="cosine", min_lr_factor=0.1),
-        checkpoint=Checkpoint(enable=True, interval=50, keep_latest_k=3),
-        metrics=Metrics(log_freq=10),
+        # Warmup-stable-decay: a continued run (a rerun of `make demo`) picks up at the peak lr.
+        lr_scheduler=LRScheduler(
+            warmup_steps=20, decay_ratio=0.2, decay_type="cosine", min_lr_factor=0.1
+        ),
+        # A full final save, so that a rerun resumes the optimizer and data position too.
+        checkpoint=Checkpoint(enable=True, interval=50, keep_latest_k=3, last_save_model_only=False),
+        metrics=Metrics(log_freq=5),
         validation=Validation(enable=True, freq=50, steps=4),
     )
 
