@@ -89,12 +89,13 @@ class Trainer:
     def __init__(self, cfg: JobConfig, extra_sinks: list[MetricsSink] | None = None) -> None:
         init_logger()
         self.cfg = cfg
+        self.side_folder = local_side_folder(cfg.job.dump_folder)
         if cfg.debug.num_threads:
             torch.set_num_threads(cfg.debug.num_threads)
         self.dist = dist_utils.init_distributed(
             cfg.comm.init_timeout_seconds,
             cfg.comm.trace_buf_size,
-            local_side_folder(cfg.job.dump_folder),
+            self.side_folder,
         )
         self.device = self.dist.device
         self.parallel_dims = ParallelDims.from_config(cfg.parallelism, self.dist.world_size)
@@ -217,7 +218,7 @@ class Trainer:
         return model
 
     def _build_metrics(self) -> MetricsProcessor:
-        cfg, side = self.cfg, local_side_folder(self.cfg.job.dump_folder)
+        cfg, side = self.cfg, self.side_folder
         sinks: list[MetricsSink] = [ConsoleSink(cfg.metrics.color)]
         if self.dist.is_rank0:
             if cfg.metrics.enable_jsonl:
@@ -288,12 +289,34 @@ class Trainer:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         return loss.item()
 
+    def _restore(self) -> int:
+        step = self.train_state.step = self.checkpointer.load()
+        if self.lr_scheduler.last_epoch != step:  # a model-only checkpoint has no schedule
+            LRSchedulerState(self.lr_scheduler).load_state_dict({"last_epoch": step})
+        return step
+
+    def _record(
+        self, step: int, last: bool, loss: torch.Tensor, grad_norm: torch.Tensor
+    ) -> dict[str, float] | None:
+        """Log metrics and run validation when due; the step's row for the history, if any."""
+        row: dict[str, float] | None = None
+        if self.metrics.should_log(step) or last:
+            lr = self.lr_scheduler.get_last_lr()[0]
+            row = {
+                "step": step,
+                **self.metrics.log(step, self._reduce_for_log(loss), grad_norm.item(), lr),
+            }
+        if self.validator.should_validate(step, last):
+            val = self.validator.validate(self.model)
+            logger.info("step: %5d  validation loss: %.4f", step, val["validation/loss"])
+            self.metrics.log_scalars(step, val)
+            row = {**(row or {"step": step}), **val}
+        return row
+
     def train(self) -> list[dict[str, float]]:
         """Run until ``training.steps``; returns the logged metrics of each logged step."""
         cfg = self.cfg
-        start_step = self.train_state.step = self.checkpointer.load()
-        if self.lr_scheduler.last_epoch != start_step:  # a model-only checkpoint has no schedule
-            LRSchedulerState(self.lr_scheduler).load_state_dict({"last_epoch": start_step})
+        start_step = self._restore()
         if start_step >= cfg.training.steps:
             logger.info(
                 "Checkpoint is at step %d >= training.steps=%d: nothing to train",
@@ -303,83 +326,62 @@ class Trainer:
             return []
         self._write_config()
         self.metrics = self._build_metrics()
-        mem_profiler = (
-            MemoryProfiler(
+        mem_profiler = None
+        if cfg.profiling.enable_memory_snapshot:
+            mem_profiler = MemoryProfiler(
                 cfg.profiling,
-                local_side_folder(cfg.job.dump_folder),
+                self.side_folder,
                 self.dist.rank,
                 self.device,
                 self.model,
                 self.optimizer,
             )
-            if cfg.profiling.enable_memory_snapshot
-            else None
-        )
-        tokens_per_step = (
-            cfg.training.local_batch_size
-            * cfg.training.seq_len
-            * cfg.training.gradient_accumulation_steps
-        )
+        t = cfg.training
+        tokens_per_step = t.local_batch_size * t.seq_len * t.gradient_accumulation_steps
         logger.info(
             "Training steps %d → %d, %d tokens/step/rank, world size %d",
             start_step + 1,
-            cfg.training.steps,
+            t.steps,
             tokens_per_step,
             self.dist.world_size,
         )
         history: list[dict[str, float]] = []
-        gc.disable()  # collected every gc_freq steps instead, so pauses are predictable
         data_iter = iter(self.dataloader)
-        with maybe_enable_profiling(
-            cfg.profiling, local_side_folder(cfg.job.dump_folder), self.dist.rank, start_step
-        ) as profiler:
-            while self.train_state.step < cfg.training.steps:
-                step = self.train_state.step = self.train_state.step + 1
-                if step % cfg.training.gc_freq == 0:
-                    gc.collect(1)
-                batches = self._next_batches(data_iter)
-                try:
-                    loss, grad_norm = self.train_step(batches)
-                except torch.OutOfMemoryError:
+        gc.disable()  # collected every gc_freq steps instead, so pauses are predictable
+        try:
+            with maybe_enable_profiling(
+                cfg.profiling, self.side_folder, self.dist.rank, start_step
+            ) as profiler:
+                while self.train_state.step < t.steps:
+                    step = self.train_state.step = self.train_state.step + 1
+                    if step % t.gc_freq == 0:
+                        gc.collect(1)
+                    batches = self._next_batches(data_iter)
+                    try:
+                        loss, grad_norm = self.train_step(batches)
+                    except torch.OutOfMemoryError:
+                        if mem_profiler:
+                            mem_profiler.step(step, exit_=True)
+                        raise
+                    self.train_state.ntokens_seen += tokens_per_step
+                    self.metrics.add_step(tokens_per_step)
+                    last = step == t.steps
+                    if row := self._record(step, last, loss, grad_norm):
+                        history.append(row)
+                    self.checkpointer.save(step, last=last)
+                    self.checkpointer.poll()
+                    if profiler is not None:
+                        profiler.step()
                     if mem_profiler:
-                        mem_profiler.step(step, exit_=True)
-                    raise
-                self.train_state.ntokens_seen += tokens_per_step
-                self.metrics.add_step(tokens_per_step)
-                last = step == cfg.training.steps
-                if self.metrics.should_log(step) or last:
-                    history.append(
-                        {
-                            "step": step,
-                            **self.metrics.log(
-                                step,
-                                self._reduce_for_log(loss),
-                                grad_norm.item(),
-                                self.lr_scheduler.get_last_lr()[0],
-                            ),
-                        }
-                    )
-                if self.validator.should_validate(step, last):
-                    val = self.validator.validate(self.model)
-                    logger.info("step: %5d  validation loss: %.4f", step, val["validation/loss"])
-                    self.metrics.log_scalars(step, val)
-                    if history and history[-1]["step"] == step:
-                        history[-1].update(val)
-                    else:
-                        history.append({"step": step, **val})
-                self.checkpointer.save(step, last=last)
-                self.checkpointer.poll()
-                if profiler is not None:
-                    profiler.step()
-                if mem_profiler:
-                    mem_profiler.step(step)
-        gc.enable()
-        if mem_profiler:
-            mem_profiler.close()
+                        mem_profiler.step(step)
+        finally:
+            gc.enable()
+            if mem_profiler:
+                mem_profiler.close()
         logger.info(
             "Training done at step %d; data skipped: %s",
             self.train_state.step,
-            getattr(self.dataloader, "stats", {}),
+            self.dataloader.stats,
         )
         return history
 

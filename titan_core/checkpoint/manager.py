@@ -130,8 +130,11 @@ class CheckpointManager:
         self._dcp_load(path, keys)
         step = marker["step"] if marker["model_only"] else self._restored_step()
         if marker["model_only"] and step > 0:
-            logger.warning("step-%d holds model weights only: optimizer, dataloader and RNG "
-                           "state start fresh from here", step)
+            logger.warning(
+                "step-%d holds model weights only: optimizer, dataloader and RNG "
+                "state start fresh from here",
+                step,
+            )
         logger.info(
             "Loaded %s from %s (step %d) in %.2fs",
             keys,

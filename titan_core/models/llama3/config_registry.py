@@ -38,7 +38,9 @@ def llama3_debugmodel() -> JobConfig:
             warmup_steps=20, decay_ratio=0.2, decay_type="cosine", min_lr_factor=0.1
         ),
         # A full final save, so that a rerun resumes the optimizer and data position too.
-        checkpoint=Checkpoint(enable=True, interval=50, keep_latest_k=3, last_save_model_only=False),
+        checkpoint=Checkpoint(
+            enable=True, interval=50, keep_latest_k=3, last_save_model_only=False
+        ),
         metrics=Metrics(log_freq=5),
         validation=Validation(enable=True, freq=50, steps=4),
     )
