@@ -77,9 +77,10 @@ def test_resume_is_bitwise_equal(tmp_path: Path, reference: dict[int, float]) ->
     assert resumed == {s: reference[s] for s in range(5, 13)}
 
 
-def test_async_checkpoint_resume(tmp_path: Path, reference: dict[int, float]) -> None:
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_async_checkpoint_resume(tmp_path: Path, reference: dict[int, float], mode: str) -> None:
     dump = tmp_path / "run"
-    run(parse_args(_args(dump, "--checkpoint.async_mode", "async")))
+    run(parse_args(_args(dump, "--checkpoint.async_mode", mode)))
     assert complete_steps(str(dump / "checkpoint")) == [4, 8, 12]
     resumed = _losses(run(parse_args(_args(dump, "--checkpoint.load_step", "8"))))
     assert resumed == {s: reference[s] for s in range(9, 13)}

@@ -270,6 +270,7 @@ class Trainer:
             loss_sum += loss.detach()
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = dist_utils.clip_grad_norm_(params, self.cfg.training.max_norm)
+        self.checkpointer.wait_for_staging()  # a background save may still be copying weights
         self.optimizer.step()
         self.lr_scheduler.step()
         return loss_sum, grad_norm

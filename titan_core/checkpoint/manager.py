@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_core.checkpoint import storage
@@ -66,15 +67,27 @@ class CheckpointManager:
         self.states = states
         self.rank = rank
         self._pending: tuple[Future, int, bool] | None = None
+        self._staging: Future | None = None
+        self._stager: DefaultStager | None = None
         self._pg = None
         if cfg.enable and cfg.async_mode != "disabled" and world_size > 1:
             # Background saves must not share a process group with training collectives.
             self._pg = dist.new_group(backend="gloo")
-        if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
-            logger.info(
-                "checkpoint.async_mode=async_with_pinned_mem: no CUDA, so no pinned "
-                "memory; staging to ordinary CPU memory (same as 'async')"
-            )
+        if cfg.enable and cfg.async_mode == "async_with_pinned_mem":
+            if torch.cuda.is_available():
+                # Copy GPU -> pinned CPU memory on a side stream while the next step computes.
+                options = StagingOptions(
+                    use_pinned_memory=True,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=True,
+                )
+                self._stager = DefaultStager(options)
+            else:
+                logger.info(
+                    "checkpoint.async_mode=async_with_pinned_mem: no CUDA, so no pinned "
+                    "memory; staging to ordinary CPU memory (same as 'async')"
+                )
 
     # ------------------------------------------------------------------ paths
     def step_dir(self, step: int) -> str:
@@ -193,8 +206,13 @@ class CheckpointManager:
             self._commit(path, step, model_only)
             logger.info("Saved checkpoint %s in %.2fs", path, time.perf_counter() - start)
         else:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self._pg)
-            self._pending = (future, step, model_only)
+            result = dcp.async_save(
+                state, storage_writer=writer, process_group=self._pg, async_stager=self._stager
+            )
+            if self._stager is not None:  # an AsyncSaveResponse: staging runs in background too
+                self._staging = result.staging_completion
+                result = result.upload_completion
+            self._pending = (result, step, model_only)
             logger.info(
                 "Staged checkpoint %s in %.2fs (writing in background)",
                 path,
@@ -230,6 +248,12 @@ class CheckpointManager:
             storage.remove_tree(self.step_dir(step))
             logger.info("Removed old checkpoint step-%d", step)
 
+    def wait_for_staging(self) -> None:
+        """Block until a background copy of the weights is done (call before they change)."""
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+
     def poll(self) -> None:
         """Commit a finished background save without blocking (call once per step)."""
         if self._pending is not None and self._pending[0].done():
@@ -247,4 +271,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish pending work."""
+        self.wait_for_staging()
         self.wait()
+        if self._stager is not None:
+            self._stager.close()
