@@ -318,3 +318,103 @@ def test_torchrun_fsdp_two_processes(tmp_path: Path, assets: Path) -> None:
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in logged)
     assert complete_steps(str(dump / "checkpoint")) == [2, 4]
+
+
+def _saved_dtype(step_dir: Path, key: str = "model.tok_embeddings.weight") -> torch.dtype:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata[key].properties.dtype
+
+
+def test_checkpoint_options(tmp_path: Path, reference: dict[int, float]) -> None:
+    # model_weights_only + export_dtype: every save holds bf16 weights and nothing else.
+    light = tmp_path / "light"
+    run(
+        parse_args(
+            _args(light, "--checkpoint.model_weights_only", "--checkpoint.export_dtype", "bfloat16")
+        )
+    )
+    for step in (4, 8, 12):
+        marker = json.loads((light / "checkpoint" / f"step-{step}" / COMMIT_MARKER).read_text())
+        assert marker["model_only"] is True
+    assert _saved_dtype(light / "checkpoint" / "step-12") == torch.bfloat16
+    full = tmp_path / "full"
+    run(parse_args(_args(full)))
+    assert _saved_dtype(full / "checkpoint" / "step-12") == torch.float32
+    # exclude_from_loading=dataloader: weights and optimizer resume, data starts over.
+    restarted = _losses(
+        run(
+            parse_args(
+                _args(
+                    full,
+                    "--checkpoint.load_step",
+                    "4",
+                    "--checkpoint.exclude_from_loading",
+                    "dataloader",
+                    "--training.steps",
+                    "6",
+                )
+            )
+        )
+    )
+    assert restarted[5] != reference[5]
+    # load_only: resumes, trains, and saves nothing new.
+    before = sorted(p.name for p in (full / "checkpoint").iterdir())
+    resumed = _losses(
+        run(
+            parse_args(
+                _args(
+                    full,
+                    "--checkpoint.load_step",
+                    "8",
+                    "--checkpoint.load_only",
+                    "--training.steps",
+                    "10",
+                )
+            )
+        )
+    )
+    assert sorted(resumed) == [9, 10]
+    assert sorted(p.name for p in (full / "checkpoint").iterdir()) == before
+
+
+def test_bf16_autocast_and_extra_sink(tmp_path: Path, assets: Path) -> None:
+    from titan_core.trainer import Trainer
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.rows: list[tuple[int, dict[str, float]]] = []
+            self.closed = False
+
+        def log(self, step: int, metrics: dict[str, float]) -> None:
+            self.rows.append((step, metrics))
+
+        def close(self) -> None:
+            self.closed = True
+
+    sink = Recorder()
+    cfg = parse_args(
+        [
+            *TINY,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.steps",
+            "3",
+            "--metrics.log_freq",
+            "1",
+            "--metrics.cpu_peak_tflops",
+            "1",
+            "--training.autocast_dtype",
+            "bfloat16",
+            "--checkpoint.no_enable",
+            "--validation.no_enable",
+        ]
+    )
+    trainer = Trainer(cfg, extra_sinks=[sink])
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    assert [s for s, _ in sink.rows] == [1, 2, 3] and sink.closed
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+    assert history[0]["loss"] == pytest.approx(7.7, abs=0.6)  # ~ln(2304): bf16 is still sane
