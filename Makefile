@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	else \
 	  $(PY) -m pip install -q "$(TORCH_SPEC)"; \
 	fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,eval]"
 	touch $@
 
 # The bundled offline corpus and tokenizer (idempotent; cached under ~/.cache/titan/assets).

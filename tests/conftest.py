@@ -19,3 +19,25 @@ def assets() -> Path:
     from titan_core.data.assets import ensure_assets
 
     return ensure_assets()
+
+
+# --- storage: a real S3 server (SeaweedFS `weed mini`) ------------------------------------------
+
+# Imported here, not at the top, so that this section stays self-contained.
+from collections.abc import Iterator  # noqa: E402
+
+from s3_server import S3Server, start_s3_server  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A running S3 endpoint with enforced credentials and a bucket (see tests/s3_server.py).
+
+    Yields an ``S3Server``: ``endpoint_url``, ``access_key``, ``secret_key``, ``bucket``,
+    ``url(*parts)``, ``filesystem()`` and ``set_env(monkeypatch)`` for a test's AWS_* variables.
+    """
+    server = start_s3_server(tmp_path_factory.mktemp("s3"))
+    try:
+        yield server
+    finally:
+        server.stop()

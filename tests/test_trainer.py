@@ -283,8 +283,14 @@ def test_bad_input_one_line_nothing_written(
 
 
 @pytest.mark.multiprocess
-def test_torchrun_fsdp_two_processes(tmp_path: Path, assets: Path) -> None:
-    dump = tmp_path / "fsdp"
+@pytest.mark.parametrize(
+    "degrees, applied",
+    [([], "Applied FSDP"), (["--parallelism.data_parallel_replicate_degree", "2"], "Applied DDP")],
+)
+def test_torchrun_data_parallel_two_processes(
+    tmp_path: Path, assets: Path, degrees: list[str], applied: str
+) -> None:
+    dump = tmp_path / "dp"
     proc = subprocess.run(
         [
             sys.executable,
@@ -306,6 +312,7 @@ def test_torchrun_fsdp_two_processes(tmp_path: Path, assets: Path) -> None:
             "--checkpoint.interval",
             "2",
             "--validation.no_enable",
+            *degrees,
         ],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
@@ -313,7 +320,7 @@ def test_torchrun_fsdp_two_processes(tmp_path: Path, assets: Path) -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Applied FSDP" in proc.stdout
+    assert applied in proc.stdout
     logged = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in logged)

@@ -3,6 +3,9 @@
     titan train [--ngpu N] [--log-rank R] [--module M --config C] [--section.field value ...]
     titan config [--module M --config C] [overrides]     # print the resolved config as TOML
     titan demo [--steps N] [overrides]                   # train the debug model; resumes when rerun
+    titan convert dcp-to-hf|hf-to-dcp ...                # checkpoint conversion (see --help)
+    titan eval --checkpoint URL [...]                    # held-out loss, perplexity, samples
+    titan estimate --ngpu N [--json] [...]               # per-rank memory and FLOPs
 
 Config arguments are handed to ``titan_core.config.manager`` unchanged.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import shutil
 import statistics
@@ -91,6 +95,15 @@ def _demo(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+# Subcommands whose parsing lives with their package: `titan NAME args` == its cli.main(args).
+_DELEGATED = {
+    "convert": "convert checkpoints between DCP and Hugging Face formats",
+    "eval": "evaluate a checkpoint: loss, perplexity, bits per byte, samples",
+    "estimate": "estimate per-rank memory and FLOPs for a config and world size",
+}
+_MODULES = {"convert": "convert", "eval": "evaluate", "estimate": "estimate"}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Dispatch a ``titan`` subcommand."""
     parser = argparse.ArgumentParser(
@@ -105,12 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         "demo", help="train the debug model offline (resumes when rerun)", add_help=False
     )
     demo.add_argument("--steps", type=int, default=0, help="steps for a fresh demo run")
+    for name, help_text in _DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     ns, rest = parser.parse_known_args(argv)
     try:
         if ns.command == "train":
             return _train(ns, rest)
         if ns.command == "config":
             return _config(rest)
+        if ns.command in _DELEGATED:
+            module = importlib.import_module(f"titan_core.{_MODULES[ns.command]}.cli")
+            return module.main(rest)
         return _demo(ns, rest)
     except TitanError as e:
         print(f"error: {e}", file=sys.stderr)

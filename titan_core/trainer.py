@@ -191,9 +191,7 @@ class Trainer:
             build()  # fail now, before writing anything, if the split is missing or empty
         group = None
         if self.parallel_dims.dp_enabled and self.dist.world_size > 1:
-            mesh = self.parallel_dims.mesh
-            dp_dim = "dp" if "dp_replicate" in mesh.mesh_dim_names else "dp_shard"
-            group = mesh[dp_dim].get_group()
+            group = self.parallel_dims.dp_mesh.get_group()
         return Validator(v, build, cross_entropy_loss, self.device, group)
 
     def _build_model(self, spec: Any) -> torch.nn.Module:

@@ -126,6 +126,13 @@ class CheckpointManager:
         return 0
 
     def _load_initial(self, path: str) -> int:
+        if self.cfg.initial_load_in_hf:
+            # Imported here: the converter imports this module for its commit marker.
+            from titan_core.convert.hf_to_dcp import load_hf_into_model
+
+            logger.info("Loading Hugging Face weights from initial_load_path %s", path)
+            load_hf_into_model(path, self.states["model"].model)
+            return 0
         if not storage.exists(storage.join(path, ".metadata")):
             raise CheckpointError(
                 f"checkpoint.initial_load_path: {path} is not a DCP checkpoint (no .metadata)"

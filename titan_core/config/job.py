@@ -246,6 +246,8 @@ class Checkpoint:
     """Checkpoint to load model weights from when the folder holds none yet."""
     initial_load_model_only: bool = True
     """Load only the model part of initial_load_path."""
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face folder (safetensors + config.json), not DCP."""
     exclude_from_loading: list[str] = field(default_factory=list)
     """State keys not to restore (model, optimizer, lr_scheduler, dataloader, train_state)."""
     create_seed_checkpoint: bool = False

@@ -1,4 +1,5 @@
-"""FSDP2 (``fully_shard``) per block and at the root; HSDP when a replicate dim exists."""
+"""FSDP2 (``fully_shard``) per block and at the root (HSDP when a replicate dim exists), and
+DDP-style replication when data parallelism does not shard."""
 
 from __future__ import annotations
 
@@ -31,3 +32,11 @@ def apply_fsdp(
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root's params are needed again at once by backward: never reshard them after forward.
     fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Replicate the whole model on every rank of ``mesh``; gradients are all-reduced."""
+    from torch.distributed._composable.replicate import replicate
+
+    # A bucket cap tuned by torchtitan for LLM-sized parameters.
+    replicate(model, device_mesh=mesh, bucket_cap_mb=100)

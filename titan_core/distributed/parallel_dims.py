@@ -108,6 +108,15 @@ class ParallelDims:
         return self._mesh
 
     @property
+    def dp_mesh(self) -> DeviceMesh:
+        """1-D mesh over the ranks that see different data (flattened replicate x shard)."""
+        names = self.mesh.mesh_dim_names or ()
+        for name in ("dp", "dp_replicate", "dp_shard"):
+            if name in names:
+                return self.mesh[name]
+        raise AssertionError("the mesh has no data-parallel dimension")
+
+    @property
     def dp_enabled(self) -> bool:
         """Whether any data parallelism (replicate or shard) is on."""
         return self.dp_replicate * self.dp_shard > 1

@@ -8,7 +8,7 @@ from torch import nn
 from titan_core.config.job import JobConfig
 from titan_core.distributed.activation_checkpoint import apply_activation_checkpointing
 from titan_core.distributed.compile import apply_compile
-from titan_core.distributed.fsdp import apply_fsdp
+from titan_core.distributed.fsdp import apply_ddp, apply_fsdp
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.errors import ConfigError
 from titan_core.logging import logger
@@ -42,7 +42,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
     apply_activation_checkpointing(model.layers, cfg.activation_checkpoint)
     if cfg.compile.enable and "model" in cfg.compile.components:
         apply_compile(model.layers, cfg.compile)
-    if parallel_dims.dp_enabled:
+    if parallel_dims.fsdp_enabled:
         mesh = parallel_dims.mesh
         dims = tuple(d for d in ("dp_replicate", "dp_shard") if d in mesh.mesh_dim_names)
         dp_mesh = mesh[dims]
@@ -57,10 +57,9 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
             reshard_after_forward=reshard,
         )
         kind = "HSDP" if len(dims) == 2 else "FSDP"
-        logger.info(
-            "Applied %s on mesh %s (reshard_after_forward=%s)",
-            kind,
-            dict(zip(dims, dp_mesh.shape, strict=True)),
-            reshard,
-        )
+        shape = dict(zip(dims, dp_mesh.shape, strict=True))
+        logger.info("Applied %s on mesh %s (reshard_after_forward=%s)", kind, shape, reshard)
+    elif parallel_dims.dp_replicate > 1:
+        apply_ddp(model, parallel_dims.mesh["dp_replicate"])
+        logger.info("Applied DDP over %d replicas", parallel_dims.dp_replicate)
     return model

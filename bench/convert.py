@@ -1,0 +1,181 @@
+"""dcp-to-hf throughput against a raw copy of the same checkpoint bytes, and its peak memory.
+
+One run builds a ~275 MB fp32 Llama checkpoint (debugmodel shapes widened to dim 512, 12 layers,
+a 32k vocabulary), then per round: copies the DCP directory's files (``shutil.copytree``, which
+Linux serves with in-kernel ``copy_file_range``), copies them through a user-space buffer (what
+any converter must at least do: bytes into process memory and out again), and converts with
+``dcp_to_hf`` in fresh subprocesses that report their own timings and peak RSS (``ru_maxrss``;
+this process never imports torch, so a child's value is its own). Dirty pages are flushed before
+each timed step so none inherits writeback from the previous one. Weights only (no tokenizer).
+A child's one-time start-up (torch's meta-device kernels for the shape check, ~0.8 s here) is
+timed apart from the conversion. Medians over the rounds. The last line is the
+conversion/copytree throughput ratio (goal >= 0.5).
+
+    .venv/bin/python bench/convert.py [--rounds 3] [--layers 12] [--shard-mb 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_CHILD_FLAG = "--child"
+_BUILD_FLAG = "--build"
+
+
+def _model_args(layers: int) -> object:
+    from titan_core.models import get_flavor
+
+    args = get_flavor("llama3", "debugmodel")
+    args.dim, args.n_layers, args.n_heads, args.n_kv_heads = 512, layers, 16, 4
+    args.vocab_size = 32000
+    return args
+
+
+def build_checkpoint(path: Path, layers: int) -> None:
+    """Save a randomly initialized model as a committed model-only DCP checkpoint."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from titan_core.checkpoint.manager import COMMIT_MARKER
+    from titan_core.models.llama3 import Transformer
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(_model_args(layers))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)
+    (path / COMMIT_MARKER).write_text(json.dumps({"step": 0, "model_only": True}))
+
+
+def buffered_copy(src: Path, dst: Path) -> None:
+    """Copy a directory's files through one reused 8 MB user-space buffer."""
+    dst.mkdir()
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    for f in src.iterdir():
+        with open(f, "rb") as fin, open(dst / f.name, "wb") as fout:
+            while n := fin.readinto(buf):
+                fout.write(view[:n])
+
+
+def timed(fn: object, *args: object) -> float:
+    """Seconds ``fn(*args)`` takes, after flushing dirty pages."""
+    os.sync()
+    start = time.perf_counter()
+    fn(*args)  # type: ignore[operator]
+    return time.perf_counter() - start
+
+
+def child(checkpoint: str, output: str, layers: int, dtype: str, shard_bytes: int) -> None:
+    """Convert in this fresh process; print start-up and conversion seconds, peak RSS as JSON."""
+    from titan_core.convert import expected_shapes
+    from titan_core.convert.dcp_to_hf import dcp_to_hf
+
+    args = _model_args(layers)
+    rss_before = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    start = time.perf_counter()
+    expected_shapes(args)  # first meta-device model of the process: loads torch's meta kernels
+    startup = time.perf_counter() - start
+    os.sync()
+    start = time.perf_counter()
+    dcp_to_hf(checkpoint, output, model_args=args, tokenizer_path=None, dtype=dtype,
+              max_shard_size=shard_bytes)  # fmt: skip
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    report = {"seconds": seconds, "startup": startup, "peak_rss": peak, "rss_before": rss_before}
+    print(json.dumps(report))
+
+
+def convert_round(ckpt: Path, out: Path, layers: int, dtype: str, shard_bytes: int) -> dict:
+    """Run ``child`` in a subprocess and return its report."""
+    cmd = [sys.executable, __file__, _CHILD_FLAG, str(ckpt), str(out), str(layers), dtype,
+           str(shard_bytes)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    """Build the checkpoint, run the rounds, print the table and the ratio."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--shard-mb", type=int, default=50)
+    a = p.parse_args()
+    shard = a.shard_mb * 10**6
+    with tempfile.TemporaryDirectory(prefix="titan-bench-convert-") as tmp:
+        root = Path(tmp)
+        build = [sys.executable, __file__, _BUILD_FLAG, str(root / "ckpt"), str(a.layers)]
+        subprocess.run(build, check=True, capture_output=True)  # torch stays out of this process
+        nbytes = sum(f.stat().st_size for f in (root / "ckpt").iterdir())
+        rows: dict[str, list[dict]] = {}
+        for r in range(a.rounds):
+            for d in root.iterdir():
+                if d.name != "ckpt":
+                    shutil.rmtree(d)
+            rows.setdefault("copytree", []).append(
+                {"seconds": timed(shutil.copytree, root / "ckpt", root / "copy")}
+            )
+            rows.setdefault("buffered copy", []).append(
+                {"seconds": timed(buffered_copy, root / "ckpt", root / "bcopy")}
+            )
+            for i, (dtype, shard_bytes, label) in enumerate(
+                (
+                    ("float32", shard, f"dcp-to-hf fp32, {a.shard_mb} MB shards"),
+                    ("bfloat16", shard, f"dcp-to-hf bf16, {a.shard_mb} MB shards"),
+                    ("float32", 10 * nbytes, "dcp-to-hf fp32, one shard"),
+                )
+            ):
+                out = root / f"hf-{i}"
+                rows.setdefault(label, []).append(
+                    convert_round(root / "ckpt", out, a.layers, dtype, shard_bytes)
+                )
+            print(
+                f"round {r}: " + ", ".join(f"{k} {v[-1]['seconds']:.3f}s" for k, v in rows.items())
+            )
+        _report(rows, nbytes, a)
+
+
+def _report(rows: dict[str, list[dict]], nbytes: int, a: argparse.Namespace) -> None:
+    mb = nbytes / 1e6
+    speed = {k: mb / statistics.median(r["seconds"] for r in v) for k, v in rows.items()}
+    largest = 32000 * 512 * 4 / 1e6  # the embedding and output tables
+    print(f"\ncheckpoint: {mb:.0f} MB fp32 (dim 512, {a.layers} layers, vocab 32000), largest")
+    print(f"tensor {largest:.0f} MB; medians of {a.rounds} rounds")
+    print("| step                         |  MB/s | seconds | start-up s | peak RSS MB | (+ MB) |")
+    print("|------------------------------|------:|--------:|-----------:|------------:|-------:|")
+    for label, v in rows.items():
+        seconds = statistics.median(r["seconds"] for r in v)
+        startup = peak = own = "-"
+        if "peak_rss" in v[0]:
+            startup = f"{statistics.median(r['startup'] for r in v):.2f}"
+            peak = f"{statistics.median(r['peak_rss'] for r in v) / 1e6:.0f}"
+            own = f"{statistics.median(r['peak_rss'] - r['rss_before'] for r in v) / 1e6:.0f}"
+        print(
+            f"| {label:28} | {speed[label]:5.0f} | {seconds:7.3f} | {startup:>10} | {peak:>11} "
+            f"| {own:>6} |"
+        )
+    print("(+ MB: peak RSS above the child's RSS after its imports, i.e. what conversion adds)")
+    fp32 = f"dcp-to-hf fp32, {a.shard_mb} MB shards"
+    print(f"ratio dcp-to-hf/buffered copy: {speed[fp32] / speed['buffered copy']:.3f}")
+    print(f"ratio dcp-to-hf/copytree: {speed[fp32] / speed['copytree']:.3f} (goal >= 0.5)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == _CHILD_FLAG:
+        ckpt, out, layers, dtype, shard = sys.argv[2:7]
+        child(ckpt, out, int(layers), dtype, int(shard))
+    elif len(sys.argv) > 1 and sys.argv[1] == _BUILD_FLAG:
+        build_checkpoint(Path(sys.argv[2]), int(sys.argv[3]))
+    else:
+        main()

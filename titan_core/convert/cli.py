@@ -1,0 +1,183 @@
+"""``titan convert``: checkpoint conversion between DCP and Hugging Face folders.
+
+    titan convert dcp-to-hf --checkpoint URL --output URL [--dtype bf16|fp32]
+        [--max-shard-size 5GB] [--module M --config C | --config-file F] [--section.field v ...]
+    titan convert hf-to-dcp --hf PATH_OR_URL --output URL
+
+dcp-to-hf needs the job's model config: by default the ``config.toml`` a training job saved two
+levels above ``<dump>/checkpoint/step-N``; ``--module/--config``, ``--config-file`` and config
+overrides (e.g. ``--model.n_layers 4``, ``--tokenizer.path P``) replace or adjust it.
+Paths may be local or fsspec URLs (``s3://``, credentials from the AWS_* environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import posixpath
+import re
+import sys
+from typing import NoReturn
+
+from titan_core.checkpoint import storage
+from titan_core.errors import ConfigError, TitanError
+
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float32": "float32",
+}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one-line ConfigErrors instead of a usage dump + exit."""
+
+    def error(self, message: str) -> NoReturn:
+        """Raise the message as a ConfigError (printed by ``main`` as one line)."""
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``5GB`` / ``500MB`` / ``2GiB`` / ``123`` (decimal units, as transformers)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(
+            f"--max-shard-size: expected a size like 5GB, 500MB or 2GiB, got {text!r}"
+        )
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(
+        prog="titan convert",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    sub = parser.add_subparsers(dest="direction", required=True, metavar="{dcp-to-hf,hf-to-dcp}")
+    to_hf = sub.add_parser(
+        "dcp-to-hf",
+        help="DCP checkpoint -> Hugging Face folder",
+        allow_abbrev=False,
+        epilog="Any other --section.field VALUE overrides the model config (e.g. "
+        "--model.n_layers 4, --tokenizer.path P). Without --module/--config or --config-file "
+        "the config is the config.toml two levels above the checkpoint (<dump>/config.toml).",
+    )
+    to_hf.add_argument("--checkpoint", required=True, help="DCP step directory (path or URL)")
+    to_hf.add_argument("--output", required=True, help="new HF folder (path or URL)")
+    to_hf.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32")
+    to_hf.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB (default)")
+    to_hf.add_argument("--module", help="config registry module (with --config), e.g. llama3")
+    to_hf.add_argument("--config", help="config registry function, e.g. llama3_debugmodel")
+    to_hf.add_argument("--config-file", help="a job's TOML config (e.g. <dump>/config.toml)")
+    to_hf.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
+    to_dcp = sub.add_parser(
+        "hf-to-dcp", help="Hugging Face folder -> DCP model-only checkpoint", allow_abbrev=False
+    )
+    to_dcp.add_argument("--hf", required=True, help="HF folder with config.json (path or URL)")
+    to_dcp.add_argument("--output", required=True, help="new DCP checkpoint directory")
+    return parser
+
+
+def _job_config_argv(ns: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """Config-manager argv for the job that wrote ``ns.checkpoint``."""
+    argv = []
+    if (ns.module is None) != (ns.config is None):
+        raise ConfigError("--module and --config go together (e.g. --module llama3 --config X)")
+    if ns.module is not None:
+        argv += ["--module", ns.module, "--config", ns.config]
+    config_file = ns.config_file
+    if config_file is None and ns.module is None:
+        # <dump_folder>/checkpoint/step-N -> <dump_folder>/config.toml
+        parent = posixpath.dirname if storage.is_url(ns.checkpoint) else _local_dirname
+        config_file = storage.join(parent(parent(ns.checkpoint.rstrip("/"))), "config.toml")
+        if not storage.exists(config_file):
+            raise ConfigError(
+                f"no model config for {ns.checkpoint}: {config_file} not found; "
+                "pass --module/--config or --config-file"
+            )
+    if config_file is not None:
+        argv += ["--job.config_file", config_file]
+    return argv + overrides
+
+
+def _local_dirname(path: str) -> str:
+    return os.path.dirname(os.path.abspath(path.removeprefix("file://")))
+
+
+def _dcp_to_hf(ns: argparse.Namespace, overrides: list[str]) -> int:
+    from titan_core.config.manager import parse_args
+    from titan_core.convert import storage_errors
+    from titan_core.convert.dcp_to_hf import dcp_to_hf
+    from titan_core.data import Tokenizer, default_tokenizer_path
+    from titan_core.trainer import build_model_args
+
+    dtype = _DTYPE_ALIASES.get(ns.dtype)
+    if dtype is None:
+        raise ConfigError(f"--dtype: expected bf16 or fp32, got {ns.dtype!r}")
+    max_shard_size = parse_size(ns.max_shard_size)
+    with storage_errors(ns.checkpoint):  # the config may be read from next to it, e.g. on S3
+        cfg = parse_args(_job_config_argv(ns, overrides))
+    tokenizer_path = cfg.tokenizer.path or str(default_tokenizer_path())
+    model_args = build_model_args(cfg, Tokenizer(tokenizer_path).n_words)
+    progress = sys.stderr.isatty() if ns.progress is None else ns.progress
+    shards = dcp_to_hf(
+        ns.checkpoint,
+        ns.output,
+        model_args=model_args,
+        tokenizer_path=tokenizer_path,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        progress=progress,
+        model_name=cfg.model.name,
+    )
+    print(f"dcp-to-hf: wrote {len(shards)} shard(s) + config and tokenizer to {ns.output}")
+    return 0
+
+
+def _hf_to_dcp(ns: argparse.Namespace, overrides: list[str]) -> int:
+    from titan_core.convert.hf_to_dcp import hf_to_dcp
+
+    if overrides:
+        raise ConfigError(f"hf-to-dcp: unrecognized arguments: {' '.join(overrides)}")
+    hf_to_dcp(ns.hf, ns.output)
+    print(f"hf-to-dcp: wrote model-only DCP checkpoint (step 0) to {ns.output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one conversion; user errors print one ``error:`` line on stderr and return 2."""
+    from titan_core.logging import init_logger
+
+    init_logger()
+    try:
+        ns, rest = _build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+        if ns.direction == "dcp-to-hf":
+            return _dcp_to_hf(ns, rest)
+        return _hf_to_dcp(ns, rest)
+    except TitanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

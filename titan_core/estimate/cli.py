@@ -1,0 +1,150 @@
+"""``titan estimate``: per-rank memory and FLOPs of a job on N ranks, without real weights.
+
+    titan estimate --ngpu 8 --module llama3 --config llama3_8b [--json] [--device-memory 80]
+    python -m titan_core.estimate.cli --ngpu 1 --config-file job.toml --training.seq_len 512
+
+Config arguments (``--module/--config``, ``--config-file``, ``--section.field value``) resolve
+exactly as for ``titan train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import NoReturn
+
+from rich.console import Console
+from rich.table import Table
+
+from titan_core.config.manager import parse_args
+from titan_core.errors import ConfigError, TitanError
+from titan_core.estimate import Estimate, estimate, fits
+
+_GIB = 2**30
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises a one-line ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        """Raise ``message`` as a ConfigError (printed by ``main`` as one line)."""
+        raise ConfigError(message)
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog="titan estimate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --json must not swallow --job.* config overrides
+    )
+    parser.add_argument("--ngpu", type=int, default=1, help="world size to estimate for")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--device-memory", type=float, default=0.0, help="GiB per device: report whether it fits"
+    )
+    parser.add_argument("--config-file", default="", help="TOML file (same as --job.config_file)")
+    return parser
+
+
+def _gib(n: int) -> str:
+    return f"{n / _GIB:,.2f}"
+
+
+def _ac_label(est: Estimate) -> str:
+    ac = est.layout.cfg.activation_checkpoint
+    return ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
+
+
+def _header(est: Estimate) -> list[str]:
+    d = est.to_dict()
+    m, b, deg, dt = d["model"], d["batch"], d["degrees"], d["dtypes"]
+    degrees = " × ".join(f"{k} {v}" for k, v in deg.items())
+    return [
+        f"{m['name']} {m['flavor']}: {m['num_params']:,} parameters, {m['n_layers']} layers, "
+        f"vocab {m['vocab_size']:,} ({m['vocab_source']})",
+        f"world {d['world_size']} = {degrees}",
+        f"batch {b['local_batch_size']} × seq {b['seq_len']} × accum "
+        f"{b['gradient_accumulation_steps']} (microbatch {b['microbatch_size']} × "
+        f"{b['num_microbatches']}); params {dt['param']}, reduce {dt['reduce']}, "
+        f"autocast {dt['autocast']}; AC {_ac_label(est)}",
+    ]
+
+
+def _table(est: Estimate) -> Table:
+    mem = est.memory
+    table = Table(title=f"Per-rank memory (pipeline rank {mem.pp_rank}, {mem.layers} layers)")
+    table.add_column("term")
+    table.add_column("GiB", justify="right")
+    rows = [
+        ("parameters (fp32 master, sharded)", mem.params),
+        ("gradients (fp32)", mem.grads),
+        ("optimizer state (AdamW exp_avg + exp_avg_sq)", mem.optimizer),
+        ("buffers (RoPE table)", mem.buffers),
+        ("FSDP all-gather / reduce-scatter buffers", mem.fsdp_buffers),
+        (f"activations (AC {_ac_label(est)}, {mem.microbatches_in_flight} mb)", mem.activations),
+        ("logits + loss (incl. cross-entropy grads)", mem.loss),
+        ("backward transient (one block)", mem.backward_transient),
+        ("optimizer-step temporaries", mem.optimizer_transient),
+    ]
+    for name, value in rows:
+        table.add_row(name, _gib(value))
+    table.add_section()
+    table.add_row("sum of all terms (upper bound)", _gib(mem.total))
+    table.add_row(f"[bold]peak[/bold] (during {mem.peak_phase})", f"[bold]{_gib(mem.peak)}[/bold]")
+    return table
+
+
+def _print_report(est: Estimate, device_bytes: int) -> None:
+    console = Console(file=sys.stdout, width=max(100, Console().width))
+    for line in _header(est):
+        console.print(line, highlight=False, soft_wrap=True)
+    console.print(_table(est))
+    f = est.flops
+    console.print(
+        f"FLOPs per step per rank: model {f.model_flops:.3e} + recompute {f.recompute_flops:.3e}"
+        f" = {f.total_flops:.3e} ({f.flops_per_token:.3e} FLOPs/token × "
+        f"{f.tokens_per_step:,} tokens per data-parallel rank)",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if device_bytes:
+        verdict = "fits" if fits(est.memory, device_bytes) else "does NOT fit"
+        console.print(
+            f"peak {_gib(est.memory.peak)} GiB {verdict} in {_gib(device_bytes)} GiB per device",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the estimate as a table (or JSON); one ``error:`` line and 2 on bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if "-h" in argv or "--help" in argv:
+            _parser().print_help()
+            return 0
+        ns, rest = _parser().parse_known_args(argv)
+        if ns.device_memory < 0:
+            raise ConfigError(f"--device-memory: expected GiB >= 0, got {ns.device_memory}")
+        if ns.config_file:
+            rest = [*rest, "--job.config_file", ns.config_file]
+        est = estimate(parse_args(rest), ns.ngpu)
+    except TitanError as e:
+        print("error: " + str(e).replace("\n", " "), file=sys.stderr)
+        return 2
+    device_bytes = int(ns.device_memory * _GIB)
+    if ns.json:
+        out = est.to_dict()
+        if device_bytes:
+            out["device_memory_bytes"] = device_bytes
+            out["fits"] = fits(est.memory, device_bytes)
+        print(json.dumps(out, indent=2))
+    else:
+        _print_report(est, device_bytes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""Held-out loss, perplexity and bits per byte of a checkpoint, single process or under torchrun.
+
+Definitions, over the scored tokens (every label of every (input, label) batch of the packed
+validation stream, as training's validation loss sees them):
+
+- ``loss`` = total_nats / num_tokens, the token-weighted mean cross entropy in nats/token;
+- ``perplexity`` = exp(loss);
+- ``bits_per_byte`` = total_nats / ln(2) / num_bytes, where num_bytes is the UTF-8 length of the
+  text the scored label tokens decode to, each token counted by its own bytes and the bos/eos
+  specials counted as 0 bytes. The nats still include the specials' predictions, so
+  bits_per_byte = loss * num_tokens / num_bytes / ln(2) over exactly the tokens ``loss`` uses.
+
+Under torchrun every rank reads the same stream and takes every world_size-th batch, so the
+scored tokens, and the sums all-reduced from them, are those of a single process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from titan_core.checkpoint import storage
+from titan_core.config.job import JobConfig
+from titan_core.data import Tokenizer, build_dataloader, default_tokenizer_path
+from titan_core.data.datasets import is_local_dataset
+from titan_core.distributed.utils import destroy_process_group, init_distributed
+from titan_core.errors import ConfigError, DataError
+from titan_core.evaluate.generate import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_PROMPTS,
+    Sample,
+    autocast_context,
+    generate_samples,
+)
+from titan_core.evaluate.harness import LmEvalOptions, check_inputs, run_lm_eval
+from titan_core.evaluate.loading import (
+    ResolvedCheckpoint,
+    build_model,
+    load_weights,
+    resolve_checkpoint,
+    resolve_config,
+)
+from titan_core.evaluate.report import build_report, write_report
+from titan_core.logging import logger
+from titan_core.trainer import build_model_args
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EvalMetrics:
+    """Held-out metrics of one pass; sums are over all ranks."""
+
+    loss: float
+    perplexity: float
+    bits_per_byte: float
+    num_tokens: int
+    num_bytes: int
+    num_batches: int
+    eval_seconds: float
+    tokens_per_second: float
+
+    def to_dict(self) -> dict[str, float | int]:
+        """Plain-JSON form for the report."""
+        return asdict(self)
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> torch.Tensor:
+    """UTF-8 bytes each token id stands for, (n_words,) int64; special tokens count 0."""
+    specials = set(tokenizer.special_tokens.values())
+    return torch.tensor(
+        [
+            0 if i in specials else len(tokenizer.model.decode_single_token_bytes(i))
+            for i in range(tokenizer.n_words)
+        ],
+        dtype=torch.int64,
+    )
+
+
+def count_text_bytes(labels: torch.Tensor, byte_lengths: torch.Tensor) -> int:
+    """Bytes of the text that ``labels`` (any shape, token ids) represent, specials excluded."""
+    return int(byte_lengths[labels.cpu()].sum())
+
+
+def validation_data(cfg: JobConfig) -> dict[str, Any]:
+    """Dataset, path, split, text field, seq_len and batch size of the job's validation pass.
+
+    They follow the ``validation`` section as the trainer's validator does: a separate local
+    validation file is both the dataset and its path; a registered or Hugging Face name reads
+    its validation split.
+    """
+    v, t = cfg.validation, cfg.training
+    if v.dataset:
+        path = v.dataset if is_local_dataset(v.dataset) else ""
+    else:
+        path = t.dataset_path
+    return {
+        "dataset": v.dataset or t.dataset,
+        "dataset_path": path,
+        "split": v.dataset_split,
+        "text_field": t.dataset_text_field,
+        "seq_len": t.seq_len,
+        "local_batch_size": v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
+    }
+
+
+def validation_loader(cfg: JobConfig, tokenizer: Tokenizer) -> Iterable[Batch]:
+    """One finite pass over the job's validation split, unsplit (every rank reads all of it)."""
+    data = validation_data(cfg)
+    return build_dataloader(
+        dataset=data["dataset"],
+        dataset_path=data["dataset_path"],
+        split=data["split"],
+        text_field=data["text_field"],
+        streaming=cfg.training.dataset_streaming,
+        tokenizer=tokenizer,
+        local_batch_size=data["local_batch_size"],
+        seq_len=data["seq_len"],
+        infinite=False,
+    )
+
+
+def forward_dtype(cfg: JobConfig, world_size: int) -> torch.dtype | None:
+    """The autocast dtype for forward, or None (float32, or FSDP's own mixed precision)."""
+    if world_size > 1 or cfg.training.autocast_dtype == "float32":
+        return None
+    return _DTYPES[cfg.training.autocast_dtype]
+
+
+def rank_batches(
+    batches: Iterable[Batch], rank: int, world_size: int
+) -> Iterator[tuple[Batch, bool]]:
+    """This rank's share, round-robin: ``(batch, counts)`` for every group of world_size batches.
+
+    A rank left without a batch in the last group runs a copy of the group's first one with
+    counts=False: FSDP's forward is collective, so every rank must run the same number.
+    """
+    stream = iter(batches)
+    while group := list(itertools.islice(stream, world_size)):
+        yield (group[rank], True) if rank < len(group) else (group[0], False)
+
+
+@torch.no_grad()
+def compute_metrics(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    byte_lengths: torch.Tensor,
+    *,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+    max_batches: int = 0,
+) -> EvalMetrics:
+    """Loss, perplexity and bits per byte over ``batches`` (the first ``max_batches`` if > 0).
+
+    Under torchrun, call on every rank with the same ``batches``; sums are all-reduced.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if max_batches > 0:
+        batches = itertools.islice(batches, max_batches)
+    model.eval()
+    nats = torch.zeros((), dtype=torch.float64, device=device)
+    num_tokens = num_bytes = num_batches = 0
+    start = time.perf_counter()
+    for (inputs, labels), counts in rank_batches(batches, rank, world):
+        with autocast_context(device, autocast_dtype):
+            logits = model(inputs.to(device))  # (bs, seq, vocab)
+        if not counts:
+            continue
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.to(device).flatten(), reduction="sum"
+        )
+        nats += loss_sum.double()  # stays on the device: no host sync per batch
+        num_tokens += labels.numel()
+        num_bytes += count_text_bytes(labels, byte_lengths)
+        num_batches += 1
+    # float64 holds integer counts exactly far beyond any eval's size.
+    sums = torch.tensor([nats.item(), num_tokens, num_bytes, num_batches], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(sums)
+    seconds = time.perf_counter() - start
+    total_nats, tokens, nbytes, nbatches = sums.tolist()
+    loss = total_nats / tokens if tokens else math.nan
+    return EvalMetrics(
+        loss=loss,
+        perplexity=math.exp(loss) if tokens else math.nan,
+        bits_per_byte=total_nats / math.log(2) / nbytes if nbytes else math.nan,
+        num_tokens=int(tokens),
+        num_bytes=int(nbytes),
+        num_batches=int(nbatches),
+        eval_seconds=seconds,
+        tokens_per_second=tokens / seconds if seconds > 0 else math.nan,
+    )
+
+
+@dataclass
+class _Inputs:
+    """Everything checked before a model is built."""
+
+    ckpt: ResolvedCheckpoint
+    cfg: JobConfig
+    tokenizer: Tokenizer
+    loader: Iterable[Batch]
+    hf_folder: str
+
+
+def _check_inputs(
+    checkpoint: str,
+    config_argv: Sequence[str],
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    max_batches: int,
+    lm_eval: LmEvalOptions | None,
+) -> _Inputs:
+    if max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens: expected an int >= 0, got {max_new_tokens}")
+    if max_batches < 0:
+        raise ConfigError(f"--max-batches: expected an int >= 0 (0 = all), got {max_batches}")
+    ckpt = resolve_checkpoint(checkpoint)
+    cfg = resolve_config(ckpt, list(config_argv))
+    tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
+    loader = validation_loader(cfg, tokenizer)  # fails here when the split is missing or empty
+    max_seq_len = build_model_args(cfg, tokenizer.n_words).max_seq_len
+    for prompt in prompts:
+        num = len(tokenizer.encode(prompt, bos=True, eos=False))
+        if num > max_seq_len:
+            raise ConfigError(
+                f"--prompts: {prompt[:40]!r} is {num} tokens, more than the model's "
+                f"max_seq_len {max_seq_len}"
+            )
+    hf_folder = ""
+    if lm_eval is not None:
+        hf_folder = lm_eval.hf_folder or storage.join(ckpt.run_root, "hf")
+        check_inputs(hf_folder, lm_eval.task_dir, lm_eval.tasks)
+    return _Inputs(ckpt, cfg, tokenizer, loader, hf_folder)
+
+
+def _score_and_sample(
+    inputs: _Inputs,
+    device: torch.device,
+    world_size: int,
+    *,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    max_batches: int,
+) -> tuple[Any, EvalMetrics, list[Sample], dict[str, float]]:
+    """Build and load the model, score the validation split and generate: (model args,
+    metrics, samples, timing). Collective under torchrun."""
+    cfg, tokenizer = inputs.cfg, inputs.tokenizer
+    start = time.perf_counter()
+    model, args = build_model(cfg, tokenizer.n_words, device, world_size)
+    load_weights(model, inputs.ckpt.step_dir, cfg.model.flavor)
+    timing = {"load_s": time.perf_counter() - start}
+    logger.info(
+        "Loaded %s (step %d) in %.2fs; scoring %s split %r, world size %d",
+        inputs.ckpt.step_dir,
+        inputs.ckpt.step,
+        timing["load_s"],
+        validation_data(cfg)["dataset"],
+        cfg.validation.dataset_split,
+        world_size,
+    )
+    dtype = forward_dtype(cfg, world_size)
+    table = token_byte_lengths(tokenizer)
+    metrics = compute_metrics(
+        model, inputs.loader, table, device=device, autocast_dtype=dtype, max_batches=max_batches
+    )
+    if metrics.num_tokens == 0:  # every rank sees the same sums, so all raise together
+        data = validation_data(cfg)
+        raise DataError(
+            f"validation: dataset {data['dataset']!r} split {data['split']!r} has fewer than "
+            f"training.seq_len + 1 = {data['seq_len'] + 1} tokens: nothing to score"
+        )
+    timing |= {"eval_s": metrics.eval_seconds, "tokens_per_s": metrics.tokens_per_second}
+    start = time.perf_counter()
+    samples = generate_samples(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        max_seq_len=args.max_seq_len,
+        device=device,
+        autocast_dtype=dtype,
+    )
+    timing["generate_s"] = time.perf_counter() - start
+    return args, metrics, samples, timing
+
+
+def evaluate_checkpoint(
+    checkpoint: str,
+    *,
+    config_argv: Sequence[str] = (),
+    output: str | None = None,
+    prompts: Sequence[str] = DEFAULT_PROMPTS,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    max_batches: int = 0,
+    lm_eval: LmEvalOptions | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``checkpoint`` and write ``<output>/eval/report.{json,md}`` (default output: the
+    run root); returns the report. Every input is checked before the model is built."""
+    start = time.perf_counter()
+    inputs = _check_inputs(checkpoint, config_argv, prompts, max_new_tokens, max_batches, lm_eval)
+    cfg = inputs.cfg
+    if cfg.debug.num_threads:
+        torch.set_num_threads(cfg.debug.num_threads)
+    owns_group = not dist.is_initialized()
+    info = init_distributed(cfg.comm.init_timeout_seconds, 0, "")
+    try:
+        args, metrics, samples, timing = _score_and_sample(
+            inputs,
+            info.device,
+            info.world_size,
+            prompts=prompts,
+            max_new_tokens=max_new_tokens,
+            max_batches=max_batches,
+        )
+    finally:
+        if owns_group:
+            destroy_process_group()
+    # Only rank 0 goes on: the harness runs in one process, whatever world evaluated above.
+    lm_results = None
+    if lm_eval is not None and info.is_rank0:
+        lm_start = time.perf_counter()
+        lm_results = run_lm_eval(
+            inputs.hf_folder,
+            lm_eval.task_dir,
+            lm_eval.tasks,
+            lm_eval.limit,
+            batch_size=lm_eval.batch_size,
+            bootstrap_iters=lm_eval.bootstrap_iters,
+        )
+        timing["lm_eval_s"] = time.perf_counter() - lm_start
+    timing["total_s"] = time.perf_counter() - start
+    settings = {
+        **validation_data(cfg),
+        "max_batches": max_batches,
+        "max_new_tokens": max_new_tokens,
+        "world_size": info.world_size,
+        "device": info.device.type,
+        "tokenizer": inputs.tokenizer.path,
+    }
+    report = build_report(
+        ckpt=inputs.ckpt,
+        cfg=cfg,
+        model_args=args,
+        metrics=metrics,
+        samples=samples,
+        timing=timing,
+        settings=settings,
+        lm_eval=lm_results,
+    )
+    if info.is_rank0:
+        json_path, _ = write_report(output or inputs.ckpt.run_root, report)
+        logger.info("Evaluation report written to %s (and report.md)", json_path)
+    return report
