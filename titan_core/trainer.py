@@ -33,11 +33,10 @@ from titan_core.components.metrics import (
 )
 from titan_core.components.optimizer import OptimizerState, build_optimizer
 from titan_core.components.profiling import MemoryProfiler, maybe_enable_profiling
-from titan_core.components.validate import Validator
+from titan_core.components.validate import Validator, validation_data
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import to_toml
 from titan_core.data import Tokenizer, build_dataloader, default_tokenizer_path
-from titan_core.data.datasets import is_local_dataset
 from titan_core.distributed import utils as dist_utils
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.errors import ConfigError
@@ -174,18 +173,17 @@ class Trainer:
         )
 
     def _build_validator(self, dp_rank: int) -> Validator:
-        v = self.cfg.validation
-        dataset = v.dataset or self.cfg.training.dataset
-        # A separate local validation file is both the dataset and its path; a registered or
-        # Hugging Face name reads its validation split.
-        if v.dataset:
-            path = v.dataset if is_local_dataset(v.dataset) else ""
-        else:
-            path = self.cfg.training.dataset_path
-        batch = v.local_batch_size if v.local_batch_size > 0 else None
+        v, data = self.cfg.validation, validation_data(self.cfg)
 
         def build() -> Any:
-            return self._build_loader(dataset, path, v.dataset_split, dp_rank, False, batch)
+            return self._build_loader(
+                data["dataset"],
+                data["dataset_path"],
+                data["split"],
+                dp_rank,
+                False,
+                data["local_batch_size"],
+            )
 
         if v.enable:
             build()  # fail now, before writing anything, if the split is missing or empty

@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_core.config.job import JobConfig
 from titan_core.config.job import Validation as ValidationConfig
+from titan_core.data.datasets import is_local_dataset
+
+
+def validation_data(cfg: JobConfig) -> dict[str, Any]:
+    """Dataset, path, split, text field, seq_len and batch size of the job's validation pass.
+
+    They follow the ``validation`` section as the trainer's validator does: a separate local
+    validation file is both the dataset and its path; a registered or Hugging Face name reads
+    its validation split.
+    """
+    v, t = cfg.validation, cfg.training
+    if v.dataset:
+        path = v.dataset if is_local_dataset(v.dataset) else ""
+    else:
+        path = t.dataset_path
+    return {
+        "dataset": v.dataset or t.dataset,
+        "dataset_path": path,
+        "split": v.dataset_split,
+        "text_field": t.dataset_text_field,
+        "seq_len": t.seq_len,
+        "local_batch_size": v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
+    }
 
 
 class Validator:

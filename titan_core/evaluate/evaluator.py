@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_core.checkpoint import storage
+from titan_core.components.validate import validation_data
 from titan_core.config.job import JobConfig
 from titan_core.data import Tokenizer, build_dataloader, default_tokenizer_path
-from titan_core.data.datasets import is_local_dataset
 from titan_core.distributed.utils import destroy_process_group, init_distributed
 from titan_core.errors import ConfigError, DataError
 from titan_core.evaluate.generate import (
@@ -90,28 +90,6 @@ def token_byte_lengths(tokenizer: Tokenizer) -> torch.Tensor:
 def count_text_bytes(labels: torch.Tensor, byte_lengths: torch.Tensor) -> int:
     """Bytes of the text that ``labels`` (any shape, token ids) represent, specials excluded."""
     return int(byte_lengths[labels.cpu()].sum())
-
-
-def validation_data(cfg: JobConfig) -> dict[str, Any]:
-    """Dataset, path, split, text field, seq_len and batch size of the job's validation pass.
-
-    They follow the ``validation`` section as the trainer's validator does: a separate local
-    validation file is both the dataset and its path; a registered or Hugging Face name reads
-    its validation split.
-    """
-    v, t = cfg.validation, cfg.training
-    if v.dataset:
-        path = v.dataset if is_local_dataset(v.dataset) else ""
-    else:
-        path = t.dataset_path
-    return {
-        "dataset": v.dataset or t.dataset,
-        "dataset_path": path,
-        "split": v.dataset_split,
-        "text_field": t.dataset_text_field,
-        "seq_len": t.seq_len,
-        "local_batch_size": v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
-    }
 
 
 def validation_loader(cfg: JobConfig, tokenizer: Tokenizer) -> Iterable[Batch]:
