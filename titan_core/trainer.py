@@ -34,6 +34,7 @@ from titan_core.components.metrics import (
 from titan_core.components.optimizer import OptimizerState, build_optimizer
 from titan_core.components.profiling import MemoryProfiler, maybe_enable_profiling
 from titan_core.components.validate import Validator, validation_data
+from titan_core.config.dtypes import autocast_dtype, compute_dtype
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import to_toml
 from titan_core.data import Tokenizer, build_dataloader, default_tokenizer_path
@@ -43,8 +44,6 @@ from titan_core.errors import ConfigError
 from titan_core.logging import init_logger, logger
 from titan_core.models import get_flavor, get_model_spec
 from titan_core.models.llama3.parallelize import check_supported, parallelize_llama
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def local_side_folder(dump_folder: str) -> str:
@@ -125,6 +124,7 @@ class Trainer:
             cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only
         )
         self.model = self._build_model(spec)
+        self._autocast_dtype = autocast_dtype(cfg.training, self.parallel_dims.fsdp_enabled)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.train_state = TrainState(rank=self.dist.rank)
@@ -222,11 +222,7 @@ class Trainer:
             if cfg.metrics.enable_tensorboard:
                 sinks.append(TensorBoardSink(os.path.join(side, cfg.metrics.save_tb_folder)))
             sinks.extend(self.extra_sinks)
-        dtype = _DTYPES[
-            cfg.training.mixed_precision_param
-            if self.parallel_dims.fsdp_enabled
-            else cfg.training.autocast_dtype
-        ]
+        dtype = compute_dtype(cfg.training, self.parallel_dims.fsdp_enabled)
         return MetricsProcessor(
             cfg.metrics,
             self.flops_per_token,
@@ -245,10 +241,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ stepping
     def _autocast(self) -> contextlib.AbstractContextManager:
-        dtype = self.cfg.training.autocast_dtype
-        if dtype == "float32" or self.parallel_dims.fsdp_enabled:
-            return contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy handles it instead
-        return torch.autocast(self.device.type, dtype=_DTYPES[dtype])
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
     def train_step(
         self, batches: list[tuple[torch.Tensor, torch.Tensor]]

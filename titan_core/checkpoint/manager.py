@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_core.checkpoint import storage
+from titan_core.config.dtypes import TORCH_DTYPES
 from titan_core.config.job import Checkpoint as CheckpointConfig
 from titan_core.errors import CheckpointError
 from titan_core.logging import logger
@@ -29,7 +30,6 @@ from titan_core.logging import logger
 COMMIT_MARKER = ".titan_complete"
 SEED_DIR = "seed"
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Test hook: SIGKILL this process after DCP wrote step N but before its commit marker.
 FAULT_ENV = "TITAN_FAULT_KILL_BEFORE_COMMIT_STEP"
 
@@ -227,7 +227,7 @@ class CheckpointManager:
             )
 
     def _model_only_state(self) -> dict[str, Any]:
-        dtype = _DTYPES[self.cfg.export_dtype]
+        dtype = TORCH_DTYPES[self.cfg.export_dtype]
         model_sd = self.states["model"].state_dict()
         return {
             "model": {k: v.to(dtype) if v.is_floating_point() else v for k, v in model_sd.items()}

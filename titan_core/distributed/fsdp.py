@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from titan_core.config.dtypes import TORCH_DTYPES
 
 
 def apply_fsdp(
@@ -24,7 +23,9 @@ def apply_fsdp(
     cpu_offload: bool = False,
 ) -> None:
     """Shard each block, then the root (which holds embeddings, final norm and output)."""
-    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    mp = MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype]
+    )
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()

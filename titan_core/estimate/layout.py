@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 
+from titan_core.config.dtypes import TORCH_DTYPES, autocast_dtype
 from titan_core.config.job import JobConfig
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.errors import ConfigError
 from titan_core.models import get_flavor, get_model_spec
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # torchtitan's Llama TP plan: the dim of each weight that tensor parallelism shards. Embedding and
 # output are split over the vocabulary; norms are replicated (SequenceParallel keeps them whole).
@@ -85,18 +84,17 @@ class Layout:
     @property
     def param_dtype(self) -> torch.dtype:
         """Dtype of parameters in forward/backward: the FSDP mixed-precision dtype, else fp32."""
-        return DTYPES[self.cfg.training.mixed_precision_param] if self.fsdp else torch.float32
+        return TORCH_DTYPES[self.cfg.training.mixed_precision_param] if self.fsdp else torch.float32
 
     @property
     def reduce_dtype(self) -> torch.dtype:
         """Dtype of FSDP gradient reduce-scatter."""
-        return DTYPES[self.cfg.training.mixed_precision_reduce]
+        return TORCH_DTYPES[self.cfg.training.mixed_precision_reduce]
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """Autocast dtype when FSDP is off and autocast is on (the trainer's ``_autocast``)."""
-        dtype = self.cfg.training.autocast_dtype
-        return None if self.fsdp or dtype == "float32" else DTYPES[dtype]
+        return autocast_dtype(self.cfg.training, self.fsdp)
 
     @property
     def local_seq(self) -> int:

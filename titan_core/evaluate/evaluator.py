@@ -30,6 +30,7 @@ from torch import nn
 
 from titan_core.checkpoint import storage
 from titan_core.components.validate import validation_data
+from titan_core.config.dtypes import autocast_dtype
 from titan_core.config.job import JobConfig
 from titan_core.data import Tokenizer, build_dataloader, default_tokenizer_path
 from titan_core.distributed.utils import destroy_process_group, init_distributed
@@ -54,7 +55,6 @@ from titan_core.logging import logger
 from titan_core.trainer import build_model_args
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -110,9 +110,7 @@ def validation_loader(cfg: JobConfig, tokenizer: Tokenizer) -> Iterable[Batch]:
 
 def forward_dtype(cfg: JobConfig, world_size: int) -> torch.dtype | None:
     """The autocast dtype for forward, or None (float32, or FSDP's own mixed precision)."""
-    if world_size > 1 or cfg.training.autocast_dtype == "float32":
-        return None
-    return _DTYPES[cfg.training.autocast_dtype]
+    return autocast_dtype(cfg.training, fsdp=world_size > 1)
 
 
 def rank_batches(
