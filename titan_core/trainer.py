@@ -124,6 +124,8 @@ class Trainer:
             cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only
         )
         self.model = self._build_model(spec)
+        # Fixed once parallelized (FSDP2 keeps the same sharded parameters across steps).
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._autocast_dtype = autocast_dtype(cfg.training, self.parallel_dims.fsdp_enabled)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -259,8 +261,7 @@ class Trainer:
             del pred  # free the logits before backward needs the memory
             loss.backward()
             loss_sum += loss.detach()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = dist_utils.clip_grad_norm_(params, self.cfg.training.max_norm)
+        grad_norm = dist_utils.clip_grad_norm_(self._params, self.cfg.training.max_norm)
         self.checkpointer.wait_for_staging()  # a background save may still be copying weights
         self.optimizer.step()
         self.lr_scheduler.step()
