@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_core.checkpoint import storage
 from titan_core.checkpoint.manager import CheckpointManager
@@ -117,6 +118,7 @@ class Trainer:
             cfg.training.dataset_split,
             dp_rank,
             infinite=True,
+            num_streams=cfg.training.data_streams,
         )
         self.validator = self._build_validator(dp_rank)
 
@@ -158,6 +160,7 @@ class Trainer:
         dp_rank: int,
         infinite: bool,
         batch_size: int | None = None,
+        num_streams: int = 0,
     ) -> Any:
         t = self.cfg.training
         return build_dataloader(
@@ -172,6 +175,7 @@ class Trainer:
             dp_rank=dp_rank,
             dp_world_size=self.parallel_dims.dp_degree,
             infinite=infinite,
+            num_streams=num_streams,
         )
 
     def _build_validator(self, dp_rank: int) -> Validator:
@@ -247,6 +251,25 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
+    def _train_context(self, inputs: torch.Tensor, labels: torch.Tensor) -> contextlib.ExitStack:
+        """Contexts around one micro-batch's forward and backward (loss parallel, CP)."""
+        stack = contextlib.ExitStack()
+        if self.parallel_dims.loss_parallel_enabled(self.cfg.parallelism):
+            stack.enter_context(loss_parallel())
+        return stack
+
+    def _forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch; returns the detached scaled loss."""
+        with self._train_context(inputs, labels):
+            with self._autocast():
+                pred = self.model(inputs)  # (bs, seq, vocab)
+            loss = self.loss_fn(pred, labels) * scale
+            del pred  # free the logits before backward needs the memory
+            loss.backward()
+        return loss.detach()
+
     def train_step(
         self, batches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,12 +278,7 @@ class Trainer:
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in batches:
-            with self._autocast():
-                pred = self.model(inputs)  # (bs, seq, vocab)
-            loss = self.loss_fn(pred, labels) / len(batches)
-            del pred  # free the logits before backward needs the memory
-            loss.backward()
-            loss_sum += loss.detach()
+            loss_sum += self._forward_backward(inputs, labels, 1.0 / len(batches))
         grad_norm = dist_utils.clip_grad_norm_(self._params, self.cfg.training.max_norm)
         self.checkpointer.wait_for_staging()  # a background save may still be copying weights
         self.optimizer.step()

@@ -106,6 +106,10 @@ class Training:
     """Autocast dtype for the forward pass when FSDP is off; float32 disables autocast."""
     gc_freq: int = 50
     """Run Python's garbage collector every N steps (it is disabled in between)."""
+    data_streams: int = 0
+    """Independent data streams the global batch is drawn from; 0 = one per data-parallel rank.
+    Fixing it (to a multiple of every DP degree you use) makes runs with different DP degrees,
+    a single process included, see the same samples: the seed-checkpoint parity recipe."""
 
     def __post_init__(self) -> None:
         for key in ("local_batch_size", "gradient_accumulation_steps", "seq_len", "steps"):
@@ -113,6 +117,7 @@ class Training:
             _require(isinstance(value, int) and value > 0, f"training.{key}", "an int > 0", value)
         _require(self.max_norm >= 0, "training.max_norm", ">= 0", self.max_norm)
         _require(self.gc_freq > 0, "training.gc_freq", "an int > 0", self.gc_freq)
+        _require(self.data_streams >= 0, "training.data_streams", "an int >= 0", self.data_streams)
         _require(bool(self.dataset), "training.dataset", "a dataset name or path", "")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 from collections.abc import Generator, Iterator
@@ -102,64 +103,93 @@ class TextPackingDataset(IterableDataset):
 class ParallelAwareDataloader(Stateful):
     """Batches local_batch_size samples into (input_ids, labels) of shape (bs, seq_len), in-process.
 
-    state_dict() is keyed by dp rank ({"dp_rank_R": pickled state}) so that each rank restores its
-    own position from a DCP checkpoint holding every rank's entry.
+    The global batch is drawn from ``num_streams`` independent streams (one per dp rank by
+    default); this rank owns streams ``dp_rank * k .. dp_rank * k + k - 1`` (k = num_streams /
+    dp world size) and takes local_batch_size / k rows from each, in order. With num_streams
+    fixed, any DP degree that divides it — a single process included — sees the same samples.
+
+    state_dict() is keyed by stream ({"dp_rank_S": pickled state}) so that each rank restores its
+    own streams from a DCP checkpoint holding every rank's entries.
     """
 
     def __init__(
         self,
-        dataset: TextPackingDataset,
+        datasets: list[TextPackingDataset],
         *,
         local_batch_size: int,
         dp_rank: int,
         dp_world_size: int,
+        num_streams: int = 0,
     ) -> None:
+        num_streams = num_streams or dp_world_size
+        k = len(datasets)
         if local_batch_size < 1:
             raise ValueError(f"local_batch_size: expected an int >= 1, got {local_batch_size}")
-        self.dataset = dataset
+        if k * dp_world_size != num_streams or local_batch_size % k:
+            raise ValueError(
+                f"{num_streams} data streams over {dp_world_size} dp ranks with local batch "
+                f"{local_batch_size}: expected {num_streams // max(dp_world_size, 1)} streams per "
+                "rank dividing the local batch"
+            )
+        self.datasets = datasets
+        self.dataset = datasets[0]
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
-        self._key = f"dp_rank_{dp_rank}"
+        self.num_streams = num_streams
+        self._stream_ids = [dp_rank * k + j for j in range(k)]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        inputs: list[torch.Tensor] = []
-        labels: list[torch.Tensor] = []
-        for x, y in self.dataset:
-            inputs.append(x)
-            labels.append(y)
-            if len(inputs) == self.local_batch_size:
-                yield torch.stack(inputs), torch.stack(labels)  # (bs, seq), (bs, seq)
-                inputs, labels = [], []
-        if inputs:  # only finite passes end; keep their last, smaller batch
-            yield torch.stack(inputs), torch.stack(labels)
+        rows = self.local_batch_size // len(self.datasets)
+        iterators = [iter(ds) for ds in self.datasets]
+        while True:
+            inputs: list[torch.Tensor] = []
+            labels: list[torch.Tensor] = []
+            for it in iterators:
+                for x, y in itertools.islice(it, rows):
+                    inputs.append(x)
+                    labels.append(y)
+            if not inputs:  # only finite passes end
+                return
+            yield torch.stack(inputs), torch.stack(labels)  # (bs, seq), (bs, seq)
+            if len(inputs) < self.local_batch_size:  # a finite pass's last, smaller batch
+                return
 
     @property
     def stats(self) -> dict[str, int]:
-        """Rows skipped so far (empty, undecodable), across resumes."""
-        return dict(self.dataset.source.stats)
+        """Rows skipped so far (empty, undecodable), across resumes and this rank's streams."""
+        total: dict[str, int] = {}
+        for ds in self.datasets:
+            for key, value in ds.source.stats.items():
+                total[key] = total.get(key, 0) + value
+        return total
 
     def state_dict(self) -> dict[str, Any]:
-        """{"dp_rank_R": pickle of the dataset state plus the dp world size}."""
-        state = self.dataset.state_dict() | {"dp_world_size": self.dp_world_size}
-        return {self._key: pickle.dumps(state)}
+        """{"dp_rank_S": pickle of stream S's dataset state plus the stream count}."""
+        return {
+            f"dp_rank_{sid}": pickle.dumps(ds.state_dict() | {"dp_world_size": self.num_streams})
+            for sid, ds in zip(self._stream_ids, self.datasets, strict=True)
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore this rank's entry; start over (with a warning) if it is absent or mismatched."""
+        """Restore this rank's streams; start over (with a warning) if absent or mismatched."""
         if not state_dict:
             return
-        if self._key not in state_dict:
-            logger.warning("Dataloader state has no %s entry; starting from scratch", self._key)
-            return
-        state = pickle.loads(state_dict[self._key])
-        if state.get("dp_world_size") != self.dp_world_size:
-            logger.warning(
-                "Dataloader state was saved with dp world size %s, now %s; starting from scratch",
-                state.get("dp_world_size"),
-                self.dp_world_size,
-            )
-            return
-        self.dataset.load_state_dict(state)
+        for sid, ds in zip(self._stream_ids, self.datasets, strict=True):
+            key = f"dp_rank_{sid}"
+            if key not in state_dict:
+                logger.warning("Dataloader state has no %s entry; starting from scratch", key)
+                continue
+            state = pickle.loads(state_dict[key])
+            if state.get("dp_world_size") != self.num_streams:
+                logger.warning(
+                    "Dataloader state was saved with %s data streams, now %s; starting from "
+                    "scratch",
+                    state.get("dp_world_size"),
+                    self.num_streams,
+                )
+                continue
+            ds.load_state_dict(state)
 
 
 def build_dataloader(
@@ -175,19 +205,38 @@ def build_dataloader(
     dp_rank: int = 0,
     dp_world_size: int = 1,
     infinite: bool = True,
+    num_streams: int = 0,
 ) -> ParallelAwareDataloader:
-    """Resolve the dataset for this dp rank, check it has documents, and wrap it for training."""
-    source = build_document_source(
-        dataset,
-        dataset_path=dataset_path,
-        split=split,
-        text_field=text_field,
-        streaming=streaming,
+    """Resolve the dataset for this dp rank's streams, check they have documents, and wrap them.
+
+    ``num_streams`` (0 = ``dp_world_size``) must be a multiple of ``dp_world_size`` whose
+    per-rank share divides ``local_batch_size``.
+    """
+    num_streams = num_streams or dp_world_size
+    if num_streams % dp_world_size or local_batch_size % (num_streams // dp_world_size):
+        raise DataError(
+            f"training.data_streams: expected a multiple of the data-parallel degree "
+            f"({dp_world_size}) whose share per rank divides training.local_batch_size "
+            f"({local_batch_size}), got {num_streams}"
+        )
+    k = num_streams // dp_world_size
+    packed = []
+    for stream in range(dp_rank * k, dp_rank * k + k):
+        source = build_document_source(
+            dataset,
+            dataset_path=dataset_path,
+            split=split,
+            text_field=text_field,
+            streaming=streaming,
+            dp_rank=stream,
+            dp_world_size=num_streams,
+        )
+        source.check_nonempty()
+        packed.append(TextPackingDataset(source, tokenizer, seq_len, infinite=infinite))
+    return ParallelAwareDataloader(
+        packed,
+        local_batch_size=local_batch_size,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
-    )
-    source.check_nonempty()
-    packed = TextPackingDataset(source, tokenizer, seq_len, infinite=infinite)
-    return ParallelAwareDataloader(
-        packed, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size
+        num_streams=num_streams,
     )

@@ -127,6 +127,25 @@ class ParallelDims:
         return self.dp_shard * self.cp > 1
 
     @property
+    def tp_enabled(self) -> bool:
+        """Whether tensor (and sequence) parallelism is on."""
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        """Whether context parallelism is on."""
+        return self.cp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        """Whether pipeline parallelism is on."""
+        return self.pp > 1
+
+    def loss_parallel_enabled(self, parallelism: Parallelism) -> bool:
+        """Whether the loss runs on vocab-sharded logits (TP on, loss parallel not disabled)."""
+        return self.tp > 1 and not parallelism.disable_loss_parallel
+
+    @property
     def dp_degree(self) -> int:
         """Number of distinct data streams (ranks that see different samples)."""
         return self.dp_replicate * self.dp_shard

@@ -1,0 +1,115 @@
+"""Loss-parity runs for parallelism tests: one seed checkpoint, one data order, many layouts.
+
+The torchtitan reproducibility recipe, made exact across DP degrees: every run loads the same
+seed checkpoint (written with all degrees at 1) and draws its global batch from the same
+``training.data_streams`` streams, so a single process and any parallel layout see the same
+samples. ``run_layout`` returns the per-step losses (logged from metrics.jsonl) of one layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+# Tiny Llama: dim 64, 4 heads / 2 kv heads, 4 layers (enough for 2 ranks x 2 virtual stages).
+MODEL = ["--module", "llama3", "--config", "llama3_debugmodel_tiny", "--model.n_layers", "4"]
+GLOBAL_BATCH = 4  # sequences per step, across all data-parallel ranks
+STREAMS = 4  # fixed data streams: DP degrees 1, 2 and 4 see identical samples
+SEQ_LEN = 32
+
+
+def common_args(dump: Path, steps: int) -> list[str]:
+    """Config shared by every parity run (fp32, deterministic, no saves, no validation)."""
+    return [
+        *MODEL,
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        str(SEQ_LEN),
+        "--training.data_streams",
+        str(STREAMS),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.cpu_peak_tflops",
+        "1",
+        "--debug.deterministic",
+        "--validation.no_enable",
+        "--checkpoint.enable",
+        "--checkpoint.load_only",
+    ]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "AUTO,STRICT"}
+
+
+def make_seed_checkpoint(dump: Path) -> Path:
+    """Write the seed checkpoint (one process, every degree 1); returns its directory."""
+    args = [*MODEL, "--job.dump_folder", str(dump), "--checkpoint.enable"]
+    args += ["--checkpoint.create_seed_checkpoint", "--training.seq_len", str(SEQ_LEN)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_core.train", *args],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seed = dump / "checkpoint" / "seed"
+    assert (seed / ".metadata").exists()
+    return seed
+
+
+def run_layout(
+    dump: Path,
+    seed: Path,
+    *,
+    nproc: int,
+    dp: int,
+    extra: tuple[str, ...] | list[str] = (),
+    steps: int = 10,
+    timeout: int = 600,
+) -> dict[int, float]:
+    """Train ``steps`` steps from ``seed`` on ``nproc`` processes (torchrun when > 1) with
+    ``dp`` data-parallel ranks and the ``extra`` overrides; returns {step: loss}."""
+    shutil.copytree(seed, dump / "checkpoint" / "seed")
+    args = [*common_args(dump, steps), "--training.local_batch_size", str(GLOBAL_BATCH // dp)]
+    args += list(extra)
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "titan_core.train", *args]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=localhost:0",
+            "-m",
+            "titan_core.train",
+            *args,
+        ]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, out
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    losses = {int(r["step"]): r["loss"] for r in rows if "loss" in r}
+    assert sorted(losses) == list(range(1, steps + 1)), out
+    return losses
+
+
+def assert_parity(
+    got: dict[int, float], ref: dict[int, float], rel: float = 1e-5, what: str = ""
+) -> None:
+    """Every step's loss within ``rel`` relative of the reference."""
+    steps = sorted(got)
+    assert steps, f"{what}: no losses"
+    for step in steps:
+        a, b = got[step], ref[step]
+        assert abs(a - b) <= rel * abs(b), f"{what} step {step}: {a!r} vs reference {b!r}"

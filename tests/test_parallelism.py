@@ -1,0 +1,46 @@
+"""Loss parity of parallel layouts against a single process (see tests/parallel_harness.py).
+
+fp32, deterministic, tiny model, one seed checkpoint, the same data streams everywhere.
+Tolerance 1e-5 relative: reductions in a different order change the last bits only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from parallel_harness import assert_parity, make_seed_checkpoint, run_layout
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="session")
+def parity_seed(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> Path:
+    """The seed checkpoint every parity run starts from."""
+    return make_seed_checkpoint(tmp_path_factory.mktemp("parity_seed"))
+
+
+@pytest.fixture(scope="session")
+def parity_reference(tmp_path_factory: pytest.TempPathFactory, parity_seed: Path) -> dict:
+    """10-step losses of one process (every degree 1)."""
+    return run_layout(tmp_path_factory.mktemp("parity_ref"), parity_seed, nproc=1, dp=1)
+
+
+@pytest.mark.parametrize(
+    "name, nproc, dp, extra",
+    [
+        ("FSDP 2", 2, 2, []),
+        ("HSDP 2x2", 4, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    ],
+)
+def test_data_parallel_parity(
+    tmp_path: Path,
+    parity_seed: Path,
+    parity_reference: dict,
+    name: str,
+    nproc: int,
+    dp: int,
+    extra: list[str],
+) -> None:
+    got = run_layout(tmp_path, parity_seed, nproc=nproc, dp=dp, extra=extra)
+    assert_parity(got, parity_reference, what=name)
