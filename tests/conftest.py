@@ -41,3 +41,22 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         yield server
     finally:
         server.stop()
+
+
+# --- parallelism: one seed checkpoint and the single-process reference (tests/parallel_harness.py)
+
+
+@pytest.fixture(scope="session")
+def parity_seed(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> Path:
+    """The seed checkpoint every parity run starts from (written with every degree at 1)."""
+    from parallel_harness import make_seed_checkpoint
+
+    return make_seed_checkpoint(tmp_path_factory.mktemp("parity_seed"))
+
+
+@pytest.fixture(scope="session")
+def parity_reference(tmp_path_factory: pytest.TempPathFactory, parity_seed: Path) -> dict:
+    """10-step losses of one process (every degree 1) from the seed checkpoint."""
+    from parallel_harness import run_layout
+
+    return run_layout(tmp_path_factory.mktemp("parity_ref"), parity_seed, nproc=1, dp=1)

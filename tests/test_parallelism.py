@@ -9,21 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from parallel_harness import assert_parity, make_seed_checkpoint, run_layout
+from parallel_harness import assert_parity, run_layout
 
 pytestmark = pytest.mark.multiprocess
-
-
-@pytest.fixture(scope="session")
-def parity_seed(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> Path:
-    """The seed checkpoint every parity run starts from."""
-    return make_seed_checkpoint(tmp_path_factory.mktemp("parity_seed"))
-
-
-@pytest.fixture(scope="session")
-def parity_reference(tmp_path_factory: pytest.TempPathFactory, parity_seed: Path) -> dict:
-    """10-step losses of one process (every degree 1)."""
-    return run_layout(tmp_path_factory.mktemp("parity_ref"), parity_seed, nproc=1, dp=1)
 
 
 @pytest.mark.parametrize(
