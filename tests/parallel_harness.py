@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,13 @@ def common_args(dump: Path, steps: int) -> list[str]:
     ]
 
 
+def free_port() -> int:
+    """A TCP port that is free on loopback right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "AUTO,STRICT"}
 
@@ -74,30 +82,52 @@ def run_layout(
     dp: int,
     extra: tuple[str, ...] | list[str] = (),
     steps: int = 10,
+    nnodes: int = 1,
     timeout: int = 600,
 ) -> dict[int, float]:
-    """Train ``steps`` steps from ``seed`` on ``nproc`` processes (torchrun when > 1) with
-    ``dp`` data-parallel ranks and the ``extra`` overrides; returns {step: loss}."""
+    """Train ``steps`` steps from ``seed`` on ``nproc`` processes (torchrun when > 1; ``nnodes``
+    torchrun agents on loopback sharing them) with ``dp`` data-parallel ranks and the ``extra``
+    overrides; returns {step: loss}."""
     shutil.copytree(seed, dump / "checkpoint" / "seed")
     args = [*common_args(dump, steps), "--training.local_batch_size", str(GLOBAL_BATCH // dp)]
     args += list(extra)
     if nproc == 1:
-        cmd = [sys.executable, "-m", "titan_core.train", *args]
+        cmds = [[sys.executable, "-m", "titan_core.train", *args]]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d",
-            "--rdzv_endpoint=localhost:0",
-            "-m",
-            "titan_core.train",
-            *args,
+        endpoint = f"127.0.0.1:{free_port()}" if nnodes > 1 else "localhost:0"
+        cmds = [
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nnodes}",
+                f"--node_rank={node}",
+                f"--nproc_per_node={nproc // nnodes}",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={endpoint}",
+                "-m",
+                "titan_core.train",
+                *args,
+            ]
+            for node in range(nnodes)
         ]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.returncode == 0, out
+    procs = [
+        subprocess.Popen(
+            cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for cmd in cmds
+    ]
+    outputs, codes = [], []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        codes.append(p.returncode)
+    out = "\n".join(o[-4000:] for o in outputs)
+    assert codes == [0] * len(procs), out
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     losses = {int(r["step"]): r["loss"] for r in rows if "loss" in r}
     assert sorted(losses) == list(range(1, steps + 1)), out

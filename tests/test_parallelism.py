@@ -32,3 +32,13 @@ def test_data_parallel_parity(
 ) -> None:
     got = run_layout(tmp_path, parity_seed, nproc=nproc, dp=dp, extra=extra)
     assert_parity(got, parity_reference, what=name)
+
+
+def test_two_torchrun_agents_train_as_one_world(
+    tmp_path: Path, parity_seed: Path, parity_reference: dict
+) -> None:
+    """Two agents (--nnodes=2, c10d rendezvous on loopback) equal one agent of the same world."""
+    one = run_layout(tmp_path / "one_agent", parity_seed, nproc=2, dp=2, steps=5)
+    two = run_layout(tmp_path / "two_agents", parity_seed, nproc=2, dp=2, steps=5, nnodes=2)
+    assert two == one  # same world, same collectives: bitwise equal
+    assert_parity(two, parity_reference, what="2 agents x 1 process")
