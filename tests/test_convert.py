@@ -3,8 +3,12 @@ resharding, S3, sharded streaming with bounded memory, training from HF weights,
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
 import importlib
 import json
+import mmap
 import os
 import re
 import shlex
@@ -13,8 +17,10 @@ import socket
 import subprocess
 import sys
 import weakref
+import zipfile
 from pathlib import Path
 from pydoc_data.topics import topics
+from types import SimpleNamespace
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: every load is local
@@ -22,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: every loa
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from titan_core.checkpoint import storage
@@ -29,10 +36,13 @@ from titan_core.checkpoint.manager import COMMIT_MARKER
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import load_toml, parse_args
 from titan_core.convert import cli
+from titan_core.convert.dcp_direct import DataFiles, _payload_offset, locate
 from titan_core.convert.dcp_to_hf import dcp_to_hf, hf_config
 from titan_core.convert.hf_to_dcp import hf_to_dcp, model_args_from_hf_config
+from titan_core.convert.shard_writer import ShardWriter
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.models.llama3 import Transformer, llama3_flavors
+from titan_core.models.llama3.state_dict_adapter import _to_rotate_half
 from titan_core.train import run
 from titan_core.trainer import build_model_args
 
@@ -244,7 +254,9 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.multiprocess
-def test_fsdp_checkpoint_converts_like_single_process(tmp_path: Path, assets: Path) -> None:
+def test_fsdp_checkpoint_converts_like_single_process(
+    tmp_path: Path, assets: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dump = tmp_path / "fsdp"
     proc = _torchrun("-m", "titan_core.train", *TRAIN, "--job.dump_folder", str(dump))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -267,6 +279,20 @@ def test_fsdp_checkpoint_converts_like_single_process(tmp_path: Path, assets: Pa
     _assert_bitwise(_hf_tensors(tmp_path / "hf_fsdp"), _hf_tensors(tmp_path / "hf_single"))
     indexes = [(tmp_path / d / "model.safetensors.index.json").read_text() for d in hf_dirs]
     assert indexes[0] == indexes[1]
+
+    # The direct reader streams the two ranks' row slices (gathering the q/k ones to reorder
+    # them) byte for byte like DCP's resharding reader, in both dtypes.
+    metadata = storage.dcp_reader(str(fsdp_step)).read_metadata()
+    names = [k for k in metadata.state_dict_metadata if k.startswith("model.")]
+    with contextlib.closing(DataFiles(str(fsdp_step))) as files:
+        found = locate(str(fsdp_step), metadata, names, files)
+    assert sorted(found) == sorted(names)
+    assert len(found["model.layers.0.attention.wq.weight"].blocks) == 2
+    for dtype in ("float32", "bfloat16"):
+        for direct in (True, False):
+            out = tmp_path / f"{dtype}-{direct}"
+            _export(fsdp_step, out, args, dtype, direct=direct, mp=monkeypatch)
+        _same_files(tmp_path / f"{dtype}-True", tmp_path / f"{dtype}-False")
 
 
 _FSDP_HF_LOAD = """
@@ -365,7 +391,17 @@ def test_s3_conversion_both_ways(
     assert all("/run/" in key for key in fs.find(prefix))
 
     s3_server.set_env(monkeypatch)
+    module = importlib.import_module("titan_core.convert.dcp_to_hf")
+    read_by_dcp: list[str] = []
+    real_load = module.load_tensors
+
+    def load_tensors(checkpoint: str, group: list[Any]) -> dict[str, torch.Tensor]:
+        read_by_dcp.extend(t.name for t in group)
+        return real_load(checkpoint, group)
+
+    monkeypatch.setattr(module, "load_tensors", load_tensors)
     assert cli.main([*to_hf, "--output", hf]) == 0  # config.toml found next to the checkpoint
+    assert sorted(read_by_dcp) == sorted(_dcp_model(str(job["step"])))  # no direct reads on S3
     assert cli.main(["hf-to-dcp", "--hf", hf, "--output", back]) == 0
     fs.invalidate_cache()
     tops = {key[len(prefix) + 1 :].split("/")[0] for key in fs.find(prefix)}
@@ -380,9 +416,10 @@ def test_s3_conversion_both_ways(
 def test_streaming_holds_one_shard_at_a_time(
     job: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every tensor the converter reads or writes is tracked through weak references: when a
-    shard is read, nothing from earlier shards may still be alive, and no read asks for more
-    than one shard's bytes (or one tensor when a tensor alone exceeds the limit)."""
+    """The DCP-reader path (what remote checkpoints take): every tensor the converter reads or
+    writes is tracked through weak references: when a shard is read, nothing from earlier shards
+    may still be alive, and no read asks for more than one shard's bytes (or one tensor when a
+    tensor alone exceeds the limit)."""
     module = importlib.import_module("titan_core.convert.dcp_to_hf")
     alive: list[weakref.ref[torch.Tensor]] = []
     nbytes: dict[int, int] = {}
@@ -395,7 +432,7 @@ def test_streaming_holds_one_shard_at_a_time(
     def live_bytes() -> int:
         return sum(nbytes[id(r)] for r in alive if r() is not None)
 
-    real_load, real_save = module.load_tensors, module.save_file
+    real_load, real_write = module.load_tensors, ShardWriter.write_tensor
 
     def load_tensors(checkpoint: str, group: list[Any]) -> dict[str, torch.Tensor]:
         reads.append((live_bytes(), sum(t.nbytes() for t in group)))
@@ -404,13 +441,13 @@ def test_streaming_holds_one_shard_at_a_time(
             track(t)
         return state
 
-    def save_file(tensors: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> None:
-        for t in tensors.values():
-            track(t)
-        real_save(tensors, *args, **kwargs)
+    def write_tensor(self: ShardWriter, tensor: torch.Tensor) -> None:
+        track(tensor)
+        real_write(self, tensor)
 
+    monkeypatch.setattr(module, "locate", lambda *args: {})  # as for a remote checkpoint
     monkeypatch.setattr(module, "load_tensors", load_tensors)
-    monkeypatch.setattr(module, "save_file", save_file)
+    monkeypatch.setattr(ShardWriter, "write_tensor", write_tensor)
     args = _model_args(job["dump"])
     limit = 250_000
     options = {
@@ -429,6 +466,180 @@ def test_streaming_holds_one_shard_at_a_time(
         shard = load_file(tmp_path / "hf" / name)
         assert sum(t.nbytes for t in shard.values()) <= limit or len(shard) == 1
     _hf_tensors(tmp_path / "hf")  # index matches the shards
+
+
+def _export(step: Path, out: Path, args: Any, dtype: str, *, direct: bool, mp: Any) -> list[str]:
+    """dcp_to_hf with the direct reader only (DCP's reader refused) or DCP's reader only."""
+    module = importlib.import_module("titan_core.convert.dcp_to_hf")
+    with mp.context() as m:
+        if direct:
+            m.setattr(module, "load_tensors", lambda *a: pytest.fail("DCP reader used"))
+        else:
+            m.setattr(module, "locate", lambda *a: {})
+        options = {"tokenizer_path": None, "dtype": dtype, "max_shard_size": SHARD}
+        return dcp_to_hf(str(step), str(out), model_args=args, **options)
+
+
+def _same_files(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(
+    ("saved", "dtype"), [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "float32")]
+)
+def test_direct_reader_writes_what_the_dcp_reader_writes(
+    saved: str, dtype: str, job: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tensors streamed from the .distcp bytes give byte-identical shards to DCP's reader
+    and in-memory conversion, also when casts and the q/k reordering go in many small steps;
+    the files are valid safetensors with the usual metadata, and the buffers stay small."""
+    module = importlib.import_module("titan_core.convert.shard_writer")
+    args = _model_args(job["dump"])
+    ckpt = job["step"]
+    if saved == "bfloat16":  # a bf16 checkpoint (what checkpoint.export_dtype writes)
+        ckpt = tmp_path / "bf16"
+        weights = {k: v.bfloat16() for k, v in _dcp_model(str(job["step"])).items()}
+        dcp.save({"model": weights}, checkpoint_id=str(ckpt), no_dist=True)
+        (ckpt / COMMIT_MARKER).write_text(json.dumps({"step": 2, "model_only": True}))
+    _export(ckpt, tmp_path / "dcp", args, dtype, direct=False, mp=monkeypatch)
+    step = 1024  # bytes per cast / reorder / copy step: several per tensor, several rows each
+    monkeypatch.setattr(module, "CHUNK_BYTES", step)
+    monkeypatch.setattr(module, "COPY_BYTES", step)
+    buffers: list[int] = []
+    real_buffer = ShardWriter._buffer
+
+    def buffer(self: ShardWriter, *a: Any) -> torch.Tensor:
+        out = real_buffer(self, *a)
+        buffers.append(out.nbytes)
+        return out
+
+    monkeypatch.setattr(ShardWriter, "_buffer", buffer)
+    _export(ckpt, tmp_path / "direct", args, dtype, direct=True, mp=monkeypatch)
+    _same_files(tmp_path / "direct", tmp_path / "dcp")
+    # A step's rows in the larger dtype (every row of the tiny model is under 1 kB).
+    assert buffers and max(buffers) <= step * 2
+    shards = sorted((tmp_path / "direct").glob("model-*.safetensors"))
+    with safe_open(shards[0], framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    ref = _dcp_model(str(ckpt))
+    hf = _hf_tensors(tmp_path / "direct")
+    torch_dtype = getattr(torch, dtype)
+    assert torch.equal(hf["lm_head.weight"], ref["output.weight"].to(torch_dtype))
+    wq = hf["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.equal(wq, ref["layers.0.attention.wq.weight"].to(torch_dtype))  # reordered
+
+
+def _rezip(src: Path, dst: Path, *, compress: int = zipfile.ZIP_STORED, zip64: bool = False,
+           comment: bytes = b"") -> None:  # fmt: skip
+    """Rewrite a torch.save zip member by member with other zip options."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", compression=compress) as zout:
+        zout.comment = comment
+        for info in zin.infolist():
+            with zout.open(info.filename, "w", force_zip64=zip64) as f:
+                f.write(zin.read(info))
+
+
+def test_payload_offset_reads_torch_save_zips(tmp_path: Path) -> None:
+    """The direct reader finds a tensor's bytes in the zip torch.save writes (a view with a
+    storage offset included), through zipfile for directories it does not parse itself (an
+    archive comment, zip64 records), and refuses compressed members and other tensors."""
+    base = torch.randn(6, 8)
+    tensor = base[2:]  # saved with its whole storage and a storage offset of 16 elements
+    torch.save(tensor, tmp_path / "plain.pt")
+    _rezip(tmp_path / "plain.pt", tmp_path / "comment.pt", comment=b"zipfile's path")
+    _rezip(tmp_path / "plain.pt", tmp_path / "zip64.pt", zip64=True)
+    _rezip(tmp_path / "plain.pt", tmp_path / "deflated.pt", compress=zipfile.ZIP_DEFLATED)
+    chunk = SimpleNamespace(sizes=torch.Size([4, 8]))
+    for name in ("plain", "comment", "zip64", "deflated"):
+        raw = (tmp_path / f"{name}.pt").read_bytes()
+        view = mmap.mmap(-1, len(raw) + 100)
+        view[100:] = raw  # the item sits at an offset inside a bigger file, as in a .distcp
+        if name == "deflated":
+            with pytest.raises(ValueError, match="compressed"):
+                _payload_offset(view, 100, len(raw), chunk, torch.float32)
+            continue
+        start = _payload_offset(view, 100, len(raw), chunk, torch.float32)
+        assert view[start : start + tensor.nbytes] == tensor.numpy().tobytes(), name
+        with pytest.raises(ValueError, match="expected"):
+            _payload_offset(view, 100, len(raw), chunk, torch.bfloat16)
+        with pytest.raises(ValueError, match="expected"):
+            _payload_offset(view, 100, len(raw), SimpleNamespace(sizes=[6, 8]), torch.float32)
+    torch.save(base.t(), tmp_path / "strided.pt")
+    raw = (tmp_path / "strided.pt").read_bytes()
+    view = mmap.mmap(-1, len(raw))
+    view[:] = raw
+    with pytest.raises(ValueError, match="non-contiguous"):
+        _payload_offset(view, 0, len(raw), SimpleNamespace(sizes=[8, 6]), torch.float32)
+
+
+def test_mixed_shards_and_row_order(
+    job: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards mixing streamed tensors and tensors read by DCP (what a damaged or unusual item
+    leads to) are still identical; ``row_order`` is the adapter's q/k permutation, and refuses
+    a conversion that is not a reordering of whole rows."""
+    module = importlib.import_module("titan_core.convert.dcp_to_hf")
+    args = _model_args(job["dump"])
+    _export(job["step"], tmp_path / "dcp", args, "float32", direct=False, mp=monkeypatch)
+    real_locate = module.locate
+    located: list[int] = []
+
+    def every_other(*a: Any) -> dict[str, Any]:
+        found = real_locate(*a)
+        located.append(len(found))
+        return {k: v for i, (k, v) in enumerate(sorted(found.items())) if i % 2}
+
+    monkeypatch.setattr(module, "locate", every_other)
+    dcp_to_hf(str(job["step"]), str(tmp_path / "mixed"), model_args=args, tokenizer_path=None,
+              dtype="float32", max_shard_size=SHARD)  # fmt: skip
+    _same_files(tmp_path / "mixed", tmp_path / "dcp")
+    assert located == [len(_dcp_model(str(job["step"])))]  # the real reader found them all
+
+    # Unchanged bytes whose offsets share their place in a page (here: every offset) are copied
+    # by the kernel; where it refuses (another filesystem), through a buffer.
+    writer = importlib.import_module("titan_core.convert.shard_writer")
+    monkeypatch.setattr(module, "locate", real_locate)
+    monkeypatch.setattr(writer, "_PAGE", 1)
+    kernel_copies: list[int] = []
+    real_copy = os.copy_file_range
+
+    def copy_file_range(*a: Any) -> int:
+        kernel_copies.append(a[2])
+        return real_copy(*a)
+
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range)
+    _export(job["step"], tmp_path / "kernel", args, "float32", direct=True, mp=monkeypatch)
+    _same_files(tmp_path / "kernel", tmp_path / "dcp")
+    assert sum(kernel_copies) > 0.9 * sum(t.nbytes for t in _dcp_model(str(job["step"])).values())
+
+    def cross_device(*a: Any) -> int:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", cross_device)
+    _export(job["step"], tmp_path / "written", args, "float32", direct=True, mp=monkeypatch)
+    _same_files(tmp_path / "written", tmp_path / "dcp")
+
+    planned = {t.name: t for t in module.read_checkpoint_tensors(str(job["step"]), args)}
+    wk = _dcp_model(str(job["step"]))["layers.1.attention.wk.weight"]
+    order = module.row_order(planned["layers.1.attention.wk.weight"], args)
+    assert order is not None and torch.equal(wk[order], _to_rotate_half(wk, args.n_kv_heads))
+    assert module.row_order(planned["layers.1.feed_forward.w1.weight"], args) is None
+    spec = module.get_model_spec("llama3")
+    transposing = dataclasses.replace(
+        spec, to_hf=lambda sd, a: {k: v.t() for k, v in spec.to_hf(sd, a).items()}
+    )
+    monkeypatch.setattr(module, "get_model_spec", lambda name: transposing)
+    with pytest.raises(ValueError, match="reshapes"):
+        module.row_order(planned["layers.1.feed_forward.w1.weight"], args)
+    flipping = dataclasses.replace(
+        spec, to_hf=lambda sd, a: {k: v.flip(-1) for k, v in spec.to_hf(sd, a).items()}
+    )
+    monkeypatch.setattr(module, "get_model_spec", lambda name: flipping)
+    with pytest.raises(ValueError, match="not a reordering of whole rows"):
+        module.row_order(planned["layers.1.feed_forward.w1.weight"], args)
 
 
 # ---------------------------------------------------------------- training from HF weights
@@ -491,11 +702,12 @@ _TO_HF_CASES = {
     "unknown-tensor": (lambda step: None, ["--model.n_layers", "1"], "unknown tensor"),
     "missing-tensor": (lambda step: None, ["--model.n_layers", "3"], "missing"),
     "truncated-data": (lambda step: _truncate(step / "__0_0.distcp"), [], "is truncated"),
-    # Found only while reading the last shard: the shards already written must vanish too.
+    # Found only while reading the last shard (the direct reader leaves a damaged item to DCP's
+    # reader, which names it): the shards already written must vanish too.
     "corrupt-data": (
         lambda step: _corrupt(step, "model.output.weight"),
         ["--max-shard-size", str(SHARD)],
-        "cannot read model.layers.1",  # bf16: the second of two shards, after the first one
+        "cannot read model.output.weight from",  # bf16: in the second of two shards
     ),
     "bad-dtype": (lambda step: None, ["--dtype", "fp16"], "expected bf16 or fp32"),
     "bad-shard-size": (lambda step: None, ["--max-shard-size", "5XB"], "--max-shard-size"),

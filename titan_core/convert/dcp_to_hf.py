@@ -1,10 +1,14 @@
 """DCP checkpoint -> Hugging Face folder, streamed one safetensors shard at a time.
 
 Shards are planned from the checkpoint's metadata (sizes only), so every tensor is checked
-against the model's expected shapes before anything is written. Each shard's tensors are then
-read with one ``dcp.load`` of a partial state dict (DCP reshards FSDP/TP saves to this single
-process), renamed and permuted tensor by tensor, written and dropped before the next shard is
-read: at most one shard of tensors (in the checkpoint's dtype) plus one tensor is alive at once.
+against the model's expected shapes before anything is written. Each shard file is then written
+front to back, tensor by tensor. For a local checkpoint the tensors' bytes are found in place in
+the ``.distcp`` files (``dcp_direct``) and copied, cast or row-reordered (the q/k RoPE
+permutation, derived from the state-dict adapter) straight into the file (``shard_writer``):
+memory stays at a few small buffers. Tensors that cannot be found that way (remote URLs, TP
+column chunks, anything unexpected) are read with one ``dcp.load`` of a partial state dict per
+shard (DCP reshards FSDP/TP saves to this process) and converted through the adapter: then at
+most one shard of tensors (in the checkpoint's dtype) plus one tensor is alive at once.
 """
 
 from __future__ import annotations
@@ -13,19 +17,27 @@ import contextlib
 import json
 import pickle
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_core.checkpoint import storage
 from titan_core.checkpoint.manager import COMMIT_MARKER
-from titan_core.convert import StagedOutput, expected_shapes, format_size, storage_errors
+from titan_core.convert import (
+    StagedOutput,
+    expected_shapes,
+    format_size,
+    one_intra_op_thread,
+    progress_bar,
+    storage_errors,
+)
+from titan_core.convert.dcp_direct import DataFiles, StoredTensor, locate
 from titan_core.convert.hf_tokenizer import TOKENIZER_FILES, export_hf_tokenizer
+from titan_core.convert.shard_writer import ShardWriter
 from titan_core.data.tokenizer import Tokenizer
 from titan_core.errors import CheckpointError, ConfigError
 from titan_core.logging import logger
@@ -96,6 +108,13 @@ def read_checkpoint_tensors(
     CheckpointError naming the directory or tensor when it is missing or uncommitted, or a
     tensor is unknown, missing or of the wrong shape.
     """
+    return _read_plan(checkpoint, model_args, model_name)[1]
+
+
+def _read_plan(
+    checkpoint: str, model_args: Any, model_name: str
+) -> tuple[Any, list[PlannedTensor]]:
+    """(DCP metadata, validated model tensors) of a committed checkpoint."""
     metadata = _check_checkpoint_dir(checkpoint)
     saved = {
         key.removeprefix(MODEL_PREFIX): md
@@ -126,7 +145,7 @@ def read_checkpoint_tensors(
             )
         (hf_name,) = to_hf({name: torch.empty(shape, device="meta")}, model_args)
         planned.append(PlannedTensor(name, hf_name, shape, md.properties.dtype))
-    return planned
+    return metadata, planned
 
 
 def plan_shards(
@@ -157,9 +176,10 @@ def load_tensors(checkpoint: str, group: list[PlannedTensor]) -> dict[str, torch
             reader = storage.dcp_reader(checkpoint)
             dcp.load({"model": state}, storage_reader=reader, no_dist=True)
     except dcp.CheckpointException as e:  # a BaseException: `except Exception` misses it
+        others = f" (or one of the {len(group) - 1} tensors after it)" if len(group) > 1 else ""
         raise CheckpointError(
-            f"checkpoint: cannot read {MODEL_PREFIX}{group[0].name} (or one of the "
-            f"{len(group) - 1} tensors after it) from {checkpoint}: {_root_cause(e)}"
+            f"checkpoint: cannot read {MODEL_PREFIX}{group[0].name}{others} from {checkpoint}: "
+            f"{_root_cause(e)}"
         ) from None
     return state
 
@@ -181,56 +201,42 @@ def convert_shard(
     dtype: torch.dtype,
     model_args: Any,
     model_name: str = "llama3",
-) -> dict[str, torch.Tensor]:
-    """HF tensors of one shard, converted one by one (popping ``state`` as it goes)."""
+) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+    """HF tensors of one shard, converted one at a time (popping ``state`` as it goes)."""
     to_hf = get_model_spec(model_name).to_hf
-    out: dict[str, torch.Tensor] = {}
     for t in group:
-        # One tensor at a time, so each source tensor is freed as soon as its copy exists.
         ((hf_name, value),) = to_hf({t.name: state.pop(t.name)}, model_args).items()
-        out[hf_name] = value.to(dtype).contiguous()
-    return out
+        value = value.to(dtype).contiguous()
+        assert hf_name == t.hf_name and tuple(value.shape) == t.shape, (hf_name, value.shape)
+        yield t, value
 
 
-@contextlib.contextmanager
-def _one_intra_op_thread() -> Iterator[None]:
-    """Run torch ops on one thread, then restore the caller's setting.
+def row_order(t: PlannedTensor, model_args: Any, model_name: str = "llama3") -> torch.Tensor | None:
+    """The dim-0 row order the adapter's ``to_hf`` gives ``t`` (None when rows stay in place).
 
-    Conversion is memory-bound copying of MB-sized tensors, where intra-op threads only add
-    fork/join cost: on the 2-core dev machines a 1 MB permuted copy takes 8 ms on 2 threads and
-    0.1 ms on one.
+    Found by converting a small tensor of element ids of ``t``'s rank (two elements per trailing
+    dimension); ValueError when the conversion is anything but a reordering of whole rows.
     """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if not t.shape:
+        raise ValueError("0-d tensor")
+    probe_shape = (t.shape[0],) + (2,) * (len(t.shape) - 1)
+    per_row = 2 ** (len(t.shape) - 1)
+    ids = torch.arange(t.shape[0] * per_row).view(probe_shape)
     try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-@contextlib.contextmanager
-def _progress(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
-    """A bytes progress bar on stderr (rich); draws nothing when disabled."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    columns = (
-        TextColumn("dcp-to-hf"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=Console(stderr=True), disable=not enabled) as bar:
-        task = bar.add_task("convert", total=total)
-        yield lambda n: bar.advance(task, n)
+        ((hf_name, out),) = get_model_spec(model_name).to_hf({t.name: ids}, model_args).items()
+    except Exception as e:  # e.g. a conversion that needs the real trailing sizes
+        raise ValueError(f"the conversion fails on a probe: {e}") from e
+    if out is ids and hf_name == t.hf_name:
+        return None  # passed through untouched
+    if hf_name != t.hf_name or tuple(out.shape) != probe_shape or out.dtype != ids.dtype:
+        raise ValueError("the conversion renames differently or reshapes")
+    flat = out.reshape(t.shape[0], per_row)  # (rows, per_row)
+    order = flat[:, 0] // per_row
+    if not torch.equal(flat, order[:, None] * per_row + torch.arange(per_row)):
+        raise ValueError("the conversion is not a reordering of whole rows")
+    if not torch.equal(order.sort().values, torch.arange(t.shape[0])):
+        raise ValueError("the conversion repeats or drops rows")
+    return None if torch.equal(order, torch.arange(t.shape[0])) else order
 
 
 # ---------------------------------------------------------------- output files
@@ -273,6 +279,48 @@ def _shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
+Direct = dict[str, tuple[StoredTensor, torch.Tensor | None]]  # name -> (bytes, row order)
+
+
+def locate_direct(
+    checkpoint: str, metadata: Any, tensors: list[PlannedTensor], model_args: Any,
+    model_name: str, files: DataFiles,
+) -> Direct:  # fmt: skip
+    """The tensors to stream straight from the checkpoint's files, with their HF row order."""
+    stored = locate(checkpoint, metadata, [MODEL_PREFIX + t.name for t in tensors], files)
+    direct: Direct = {}
+    for t in tensors:
+        if MODEL_PREFIX + t.name in stored:
+            with contextlib.suppress(ValueError):  # not a row reordering: converted in memory
+                direct[t.name] = (
+                    stored[MODEL_PREFIX + t.name],
+                    row_order(t, model_args, model_name),
+                )
+    return direct
+
+
+def write_shard(
+    path: str, group: list[PlannedTensor], direct: Direct, checkpoint: str, dtype: torch.dtype,
+    model_args: Any, model_name: str, files: DataFiles, scratch: dict[str, torch.Tensor],
+) -> None:  # fmt: skip
+    """One safetensors file: ``direct`` tensors streamed from the checkpoint's files (through
+    the reused ``scratch`` buffers), the rest read with one ``dcp.load`` and converted in memory,
+    all in ``group`` order."""
+    rest = [t for t in group if t.name not in direct]
+    state = load_tensors(checkpoint, rest) if rest else {}
+    converted = convert_shard(state, rest, dtype, model_args, model_name)
+    entries = [(t.hf_name, dtype, t.shape) for t in group]
+    with ShardWriter(path, entries, files, scratch) as writer:
+        for t in group:
+            if t.name in direct:
+                writer.write_stored(direct[t.name][0], dtype, direct[t.name][1])
+                continue
+            done, value = next(converted)
+            assert done is t
+            writer.write_tensor(value)
+            del value  # freed before the next tensor is converted
+
+
 def dcp_to_hf(
     checkpoint: str,
     output: str,
@@ -292,7 +340,7 @@ def dcp_to_hf(
         raise ConfigError(f"dtype: expected one of {list(DTYPES)}, got {dtype!r}")
     if max_shard_size <= 0:
         raise ConfigError(f"max_shard_size: expected a number of bytes > 0, got {max_shard_size}")
-    tensors = read_checkpoint_tensors(checkpoint, model_args, model_name)
+    metadata, tensors = _read_plan(checkpoint, model_args, model_name)
     tok = Tokenizer(tokenizer_path) if tokenizer_path else None
     if tok is not None and tok.n_words > model_args.vocab_size:
         raise CheckpointError(
@@ -304,14 +352,17 @@ def dcp_to_hf(
     names = [_shard_name(i, len(shards)) for i in range(len(shards))]
     total = sum(t.nbytes(out_dtype) for t in tensors)
     staged = StagedOutput(output, last=INDEX_FILE)
-    with staged as out, _progress(total, progress) as advance, _one_intra_op_thread():
-        for name, group in zip(names, shards):
-            state = load_tensors(checkpoint, group)
-            hf = convert_shard(state, group, out_dtype, model_args, model_name)
-            save_file(hf, out.local_path(name), metadata={"format": "pt"})
-            del state, hf  # freed before the next shard is read
-            out.commit(name)
-            advance(sum(t.nbytes(out_dtype) for t in group))
+    files = DataFiles(checkpoint)
+    scratch: dict[str, torch.Tensor] = {}  # the direct path's buffers, reused by every shard
+    with contextlib.closing(files), staged as out, one_intra_op_thread():
+        direct = locate_direct(checkpoint, metadata, tensors, model_args, model_name, files)
+        with progress_bar("dcp-to-hf", total, progress) as advance:
+            for name, group in zip(names, shards):
+                with storage_errors(output):
+                    write_shard(out.local_path(name), group, direct, checkpoint, out_dtype,
+                                model_args, model_name, files, scratch)  # fmt: skip
+                out.commit(name)
+                advance(sum(t.nbytes(out_dtype) for t in group))
         _write_metadata_files(out, model_args, dtype, tok, model_name)
         weight_map = {t.hf_name: name for name, group in zip(names, shards) for t in group}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
