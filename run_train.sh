@@ -2,7 +2,8 @@
 # Launch titan_core.train under torchrun on this host.
 #   NGPU=2 MODULE=llama3 CONFIG=llama3_debugmodel ./run_train.sh --training.steps 20
 # Env: NGPU (processes, default 1), MODULE/CONFIG (registry), CONFIG_FILE (TOML),
-# LOG_RANK (comma-separated ranks whose output is shown, default 0), COMM_MODE (debug modes).
+# LOG_RANK (comma-separated ranks whose output is shown, default 0), COMM_MODE (fake_backend or
+# local_tensor: one process simulates NGPU ranks, see titan_core/distributed/comm_mode.py).
 # Further arguments are config overrides (--section.field value).
 set -euo pipefail
 
@@ -23,6 +24,11 @@ args=(--module "$MODULE" --config "$CONFIG")
 [ -n "$COMM_MODE" ] && args+=(--comm.mode "$COMM_MODE")
 
 export PYTHONUNBUFFERED=1
+if [ -n "$COMM_MODE" ]; then
+  # Debug modes: ONE process simulates all NGPU ranks on fake process groups (fake_backend:
+  # dry run of the plan + one fake step; local_tensor: real numerics). No torchrun.
+  exec python -m titan_core.train "${args[@]}" --comm.fake_world_size "$NGPU" "$@"
+fi
 # OMP threads per process: torch's default oversubscribes when several ranks share the cores.
 if [ "$NGPU" -gt 1 ] && [ -z "${OMP_NUM_THREADS:-}" ]; then
   export OMP_NUM_THREADS=1

@@ -84,10 +84,12 @@ def run_layout(
     steps: int = 10,
     nnodes: int = 1,
     timeout: int = 600,
+    start: int = 1,
 ) -> dict[int, float]:
     """Train ``steps`` steps from ``seed`` on ``nproc`` processes (torchrun when > 1; ``nnodes``
     torchrun agents on loopback sharing them) with ``dp`` data-parallel ranks and the ``extra``
-    overrides; returns {step: loss}."""
+    overrides; returns {step: loss} (steps ``start``..``steps``: a run resuming from a step
+    checkpoint under ``dump`` logs only the steps after it)."""
     shutil.copytree(seed, dump / "checkpoint" / "seed")
     args = [*common_args(dump, steps), "--training.local_batch_size", str(GLOBAL_BATCH // dp)]
     args += list(extra)
@@ -130,7 +132,7 @@ def run_layout(
     assert codes == [0] * len(procs), out
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     losses = {int(r["step"]): r["loss"] for r in rows if "loss" in r}
-    assert sorted(losses) == list(range(1, steps + 1)), out
+    assert sorted(losses) == list(range(start, steps + 1)), out
     return losses
 
 

@@ -246,8 +246,8 @@ def test_unknown_toml_keys_suggest_close_keys(tmp_path: Path) -> None:
     message = config_error(["--job.config_file", path])
     assert message.startswith(f"{path}: unknown key training.stepz; did you mean training.steps")
     path = write(tmp_path, "[trainin]\nsteps = 3\n")
-    assert config_error(["--job.config_file", path]).endswith(
-        "unknown section [trainin]; did you mean [training]?"
+    assert "unknown section [trainin]; did you mean [training]" in config_error(
+        ["--job.config_file", path]
     )
     path = write(tmp_path, "steps = 3\n")
     assert "outside any [section] table; did you mean training.steps" in config_error(

@@ -67,6 +67,7 @@ def test_titan_demo_resumes_when_run_again(tmp_path: Path, assets: Path) -> None
         "-m",
         "titan_core.cli",
         "demo",
+        "--engine-only",  # the engine's own resume path (plain `titan demo` runs the pipeline)
         "--steps",
         "6",
         "--model.flavor",

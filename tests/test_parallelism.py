@@ -42,3 +42,83 @@ def test_two_torchrun_agents_train_as_one_world(
     two = run_layout(tmp_path / "two_agents", parity_seed, nproc=2, dp=2, steps=5, nnodes=2)
     assert two == one  # same world, same collectives: bitwise equal
     assert_parity(two, parity_reference, what="2 agents x 1 process")
+
+
+@pytest.mark.slow
+def test_4d_pp_dp_cp_tp_world_16(tmp_path: Path, parity_seed: Path, parity_reference: dict) -> None:
+    """PP x FSDP x CP x TP = 2 x 2 x 2 x 2: 16 processes, few steps (CI budget)."""
+    extra = [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ]
+    got = run_layout(tmp_path, parity_seed, nproc=16, dp=2, extra=extra, steps=3)
+    assert_parity(got, parity_reference, what="4D 2x2x2x2")
+
+
+TINY_CLI = ["train", "--module", "llama3", "--config", "llama3_debugmodel_tiny"]
+P = "--parallelism."
+
+
+@pytest.mark.parametrize(
+    "ngpu, args, expected",
+    [
+        (4, [f"{P}tensor_parallel_degree", "3"], "not divisible"),
+        (4, [f"{P}data_parallel_shard_degree", "3"], "!= world size 4"),
+        (4, [f"{P}tensor_parallel_degree", "4"], "must divide n_heads"),
+        (4, [f"{P}pipeline_parallel_degree", "4"], "pipeline_parallel_degree"),
+        (2, [f"{P}pipeline_parallel_degree", "2", f"{P}pipeline_parallel_schedule", "Foo"], "Foo"),
+        (
+            2,
+            [
+                f"{P}pipeline_parallel_degree",
+                "2",
+                f"{P}pipeline_parallel_microbatch_size",
+                "2",
+                "--training.local_batch_size",
+                "3",
+            ],
+            "microbatch",
+        ),
+        (2, [f"{P}context_parallel_degree", "2", "--training.seq_len", "34"], "seq_len"),
+        (2, [f"{P}tensor_parallel_degree", "2", f"{P}enable_async_tensor_parallel"], "async"),
+        (2, ["--float8.recipe_name", "tensorwise"], "float8"),
+    ],
+    ids=[
+        "tp-not-dividing-world",
+        "product-not-world",
+        "tp-not-dividing-kv-heads",
+        "pp-more-stages-than-layers",
+        "unknown-schedule",
+        "microbatch-not-dividing-batch",
+        "cp-seq-not-divisible",
+        "async-tp-on-cpu",
+        "float8-on-cpu",
+    ],
+)
+def test_bad_parallel_config_one_line_before_launch(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    assets: Path,
+    ngpu: int,
+    args: list[str],
+    expected: str,
+) -> None:
+    """`titan train --ngpu N` rejects the config with one line; torchrun never starts."""
+    from titan_core import cli
+
+    def no_launch(*_: object) -> None:
+        raise AssertionError("torchrun was launched for a bad config")
+
+    monkeypatch.setattr(cli.os, "execve", no_launch)
+    dump = tmp_path / "out"
+    code = cli.main([*TINY_CLI, "--ngpu", str(ngpu), "--job.dump_folder", str(dump), *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error:"), err
+    assert expected.lower() in err.lower(), err
+    assert not dump.exists()

@@ -2,10 +2,13 @@
 
     titan train [--ngpu N] [--log-rank R] [--module M --config C] [--section.field value ...]
     titan config [--module M --config C] [overrides]     # print the resolved config as TOML
-    titan demo [--steps N] [overrides]                   # train the debug model; resumes when rerun
+    titan demo [--steps N] [overrides]                   # whole pipeline offline; rerun continues
+    titan demo --engine-only [--steps N] [overrides]     # train only (no Prefect/MLflow); resumes
+    titan pipeline run [--module M --config C] [...]     # the Prefect pipeline (see --help)
     titan convert dcp-to-hf|hf-to-dcp ...                # checkpoint conversion (see --help)
     titan eval --checkpoint URL [...]                    # held-out loss, perplexity, samples
     titan estimate --ngpu N [--json] [...]               # per-rank memory and FLOPs
+    titan compare --experiment NAME [--runs ID ...]      # MLflow runs side by side, loss curves
 
 Config arguments are handed to ``titan_core.config.manager`` unchanged.
 """
@@ -24,7 +27,14 @@ from titan_core.errors import TitanError
 
 
 def _train(ns: argparse.Namespace, rest: list[str]) -> int:
+    if ns.ngpu > 1 and (simulated := _comm_mode_args(ns.ngpu, rest)):
+        # COMM_MODE: one process simulates all ngpu ranks (titan_core.distributed.comm_mode).
+        rest, ns.ngpu = simulated, 1
     if ns.ngpu > 1:
+        from titan_core.config.manager import parse_args
+        from titan_core.trainer import check_job
+
+        check_job(parse_args(rest), ns.ngpu)  # a bad config fails here, before torchrun starts
         torchrun = shutil.which("torchrun") or os.path.join(
             os.path.dirname(sys.executable), "torchrun"
         )
@@ -50,6 +60,15 @@ def _train(ns: argparse.Namespace, rest: list[str]) -> int:
     from titan_core.train import main as train_main
 
     return train_main(rest)
+
+
+def _comm_mode_args(ngpu: int, rest: list[str]) -> list[str]:
+    """``rest`` with the simulated world size when the job asks for a COMM_MODE, else []."""
+    from titan_core.config.manager import parse_args
+
+    if not any(a.startswith("--comm.fake_world_size") for a in rest):
+        rest = [*rest, "--comm.fake_world_size", str(ngpu)]
+    return rest if parse_args(rest).comm.mode != "default" else []
 
 
 def _config(rest: list[str]) -> int:
@@ -100,8 +119,17 @@ _DELEGATED = {
     "convert": "convert checkpoints between DCP and Hugging Face formats",
     "eval": "evaluate a checkpoint: loss, perplexity, bits per byte, samples",
     "estimate": "estimate per-rank memory and FLOPs for a config and world size",
+    "compare": "compare MLflow runs of an experiment: table, differing config, loss curves",
+    "pipeline": "run the Prefect pipeline: config to trained, evaluated, published model",
 }
-_MODULES = {"convert": "convert", "eval": "evaluate", "estimate": "estimate"}
+# Imported only when their command runs: the pipeline's (Prefect, MLflow) never slow `titan train`.
+_MODULES = {
+    "convert": "titan_core.convert.cli",
+    "eval": "titan_core.evaluate.cli",
+    "estimate": "titan_core.estimate.cli",
+    "compare": "flows.compare_cli",
+    "pipeline": "flows.cli",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,9 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--log-rank", default="0", help="ranks whose output is shown")
     sub.add_parser("config", help="print the resolved config as TOML", add_help=False)
     demo = sub.add_parser(
-        "demo", help="train the debug model offline (resumes when rerun)", add_help=False
+        "demo",
+        help="the full pipeline on the debug model, offline (rerun: continues)",
+        add_help=False,
     )
     demo.add_argument("--steps", type=int, default=0, help="steps for a fresh demo run")
+    demo.add_argument("--engine-only", action="store_true", help="train only, no pipeline")
     for name, help_text in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     ns, rest = parser.parse_known_args(argv)
@@ -127,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "config":
             return _config(rest)
         if ns.command in _DELEGATED:
-            module = importlib.import_module(f"titan_core.{_MODULES[ns.command]}.cli")
+            module = importlib.import_module(_MODULES[ns.command])
             return module.main(rest)
+        if not ns.engine_only:  # the pipeline demo: flows.demo (Prefect + MLflow), lazily
+            steps = ["--steps", str(ns.steps)] if ns.steps else []
+            return importlib.import_module("flows.demo").main([*steps, *rest])
         return _demo(ns, rest)
     except TitanError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,27 +9,39 @@ import sys
 
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import parse_args
+from titan_core.distributed import comm_mode, flight_recorder
 from titan_core.errors import TitanError
 from titan_core.logging import init_logger, logger
 from titan_core.trainer import Trainer
 
 
 def run(cfg: JobConfig) -> list[dict[str, float]]:
-    """Train (or only write the seed checkpoint) for a resolved config; returns logged metrics."""
+    """Train (or only write the seed checkpoint) for a resolved config; returns logged metrics.
+
+    ``comm.mode`` fake_backend / local_tensor simulate the whole world in this process instead.
+    A failed collective dumps every rank's flight-recorder trace (see ``flight_recorder``).
+    """
+    if cfg.comm.mode != "default":
+        return comm_mode.run(cfg)
     trainer = Trainer(cfg)
     try:
-        if cfg.checkpoint.create_seed_checkpoint:
-            if trainer.dist.world_size != 1:
-                raise TitanError(
-                    "checkpoint.create_seed_checkpoint: run it with one process "
-                    f"(NGPU=1), got world size {trainer.dist.world_size}"
-                )
-            path = trainer.checkpointer.save_seed()
-            logger.info("Seed checkpoint written to %s", path)
-            return []
-        return trainer.train()
+        with flight_recorder.dump_on_failure(trainer.side_folder):
+            return _run(cfg, trainer)
     finally:
         trainer.close()
+
+
+def _run(cfg: JobConfig, trainer: Trainer) -> list[dict[str, float]]:
+    if cfg.checkpoint.create_seed_checkpoint:
+        if trainer.dist.world_size != 1:
+            raise TitanError(
+                "checkpoint.create_seed_checkpoint: run it with one process "
+                f"(NGPU=1), got world size {trainer.dist.world_size}"
+            )
+        path = trainer.checkpointer.save_seed()
+        logger.info("Seed checkpoint written to %s", path)
+        return []
+    return trainer.train()
 
 
 def main(argv: list[str] | None = None) -> int:

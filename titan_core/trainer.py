@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_core.checkpoint import storage
@@ -32,6 +33,7 @@ from titan_core.components.metrics import (
     TensorBoardSink,
     device_peak_tflops,
 )
+from titan_core.components.mlflow_sink import mlflow_sink_from_env
 from titan_core.components.optimizer import OptimizerState, build_optimizer
 from titan_core.components.profiling import MemoryProfiler, maybe_enable_profiling
 from titan_core.components.validate import Validator, validation_data
@@ -39,12 +41,16 @@ from titan_core.config.dtypes import autocast_dtype, compute_dtype
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import to_toml
 from titan_core.data import Tokenizer, build_dataloader, default_tokenizer_path
+from titan_core.distributed import flight_recorder, simulation
 from titan_core.distributed import utils as dist_utils
+from titan_core.distributed.context_parallel import context_parallel_context, model_cp_buffers
 from titan_core.distributed.parallel_dims import ParallelDims
+from titan_core.distributed.pipeline_parallel import ModelPartsView, PipelineRunner
 from titan_core.errors import ConfigError
 from titan_core.logging import init_logger, logger
 from titan_core.models import get_flavor, get_model_spec
 from titan_core.models.llama3.parallelize import check_supported, parallelize_llama
+from titan_core.models.llama3.pipeline import pipeline_llama
 
 
 def local_side_folder(dump_folder: str) -> str:
@@ -82,6 +88,24 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> Any:
     return args
 
 
+def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer, Any]:
+    """Every check that needs no process group: degrees, the parallel plan, tokenizer, model
+    shapes. Run by the trainer before ``init_distributed`` and by ``titan train`` before it
+    launches torchrun, so a bad config fails with one line before any process starts."""
+    parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    check_supported(parallel_dims, cfg, dist_utils.device_type())
+    tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
+    get_model_spec(cfg.model.name)
+    model_args = build_model_args(cfg, tokenizer.n_words)
+    if parallel_dims.cp_enabled:
+        # CP shards the RoPE table with the tokens, so it needs exactly one row per token.
+        model_args.max_seq_len = cfg.training.seq_len
+    parallel_dims.validate_model(
+        model_args.n_heads, model_args.n_kv_heads or model_args.n_heads, model_args.n_layers
+    )
+    return parallel_dims, tokenizer, model_args
+
+
 class Trainer:
     """Single entry for one training job on this process (one rank under torchrun)."""
 
@@ -91,26 +115,18 @@ class Trainer:
         self.side_folder = local_side_folder(cfg.job.dump_folder)
         if cfg.debug.num_threads:
             torch.set_num_threads(cfg.debug.num_threads)
+        # Everything that validates input comes first: nothing is written before it passes.
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.parallel_dims, self.tokenizer, self.model_args = check_job(cfg, world_size)
+        spec = get_model_spec(cfg.model.name)
         self.dist = dist_utils.init_distributed(
             cfg.comm.init_timeout_seconds,
             cfg.comm.trace_buf_size,
             self.side_folder,
         )
         self.device = self.dist.device
-        self.parallel_dims = ParallelDims.from_config(cfg.parallelism, self.dist.world_size)
-        check_supported(self.parallel_dims, cfg, self.device.type)
         if self.dist.world_size > 1:
             self.parallel_dims.build_mesh(self.device.type)
-
-        # Everything that validates input comes first: nothing is written before it passes.
-        self.tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
-        spec = get_model_spec(cfg.model.name)
-        self.model_args = build_model_args(cfg, self.tokenizer.n_words)
-        self.parallel_dims.validate_model(
-            self.model_args.n_heads,
-            self.model_args.n_kv_heads or self.model_args.n_heads,
-            self.model_args.n_layers,
-        )
         dp_rank = self.parallel_dims.dp_rank(self.dist.rank)
         self.dataloader = self._build_loader(
             cfg.training.dataset,
@@ -122,10 +138,19 @@ class Trainer:
         )
         self.validator = self._build_validator(dp_rank)
 
-        dist_utils.set_determinism(
-            cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only
+        pp_rank = self.parallel_dims.mesh["pp"].get_local_rank() if self.parallel_dims.pp > 1 else 0
+        dist_utils.set_determinism(  # a different seed per pipeline stage, as torchtitan does
+            cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only, pp_rank
         )
-        self.model = self._build_model(spec)
+        self.loss_fn = cross_entropy_loss
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
+        self.pipeline: PipelineRunner | None = None
+        self.model_parts = self._build_model(spec)
+        # Under PP, one module over this rank's stages with the unsplit model's names.
+        self.model = (
+            self.model_parts[0] if self.pipeline is None else ModelPartsView(self.model_parts)
+        )
         # Fixed once parallelized (FSDP2 keeps the same sharded parameters across steps).
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._autocast_dtype = autocast_dtype(cfg.training, self.parallel_dims.fsdp_enabled)
@@ -145,9 +170,6 @@ class Trainer:
             rank=self.dist.rank,
             world_size=self.dist.world_size,
         )
-        self.loss_fn = cross_entropy_loss
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
         self.extra_sinks = extra_sinks or []
         self.metrics: MetricsProcessor | None = None
 
@@ -194,11 +216,14 @@ class Trainer:
         if v.enable:
             build()  # fail now, before writing anything, if the split is missing or empty
         group = None
-        if self.parallel_dims.dp_enabled and self.dist.world_size > 1:
-            group = self.parallel_dims.dp_mesh.get_group()
-        return Validator(v, build, cross_entropy_loss, self.device, group)
+        if self.parallel_dims.dp_enabled or self.parallel_dims.cp_enabled:
+            group = self.parallel_dims.dp_cp_mesh.get_group()
+        pp_group = self.parallel_dims.mesh["pp"].get_group() if self.parallel_dims.pp > 1 else None
+        return Validator(
+            v, build, cross_entropy_loss, self.device, group, pp_group, self._train_context
+        )
 
-    def _build_model(self, spec: Any) -> torch.nn.Module:
+    def _build_model(self, spec: Any) -> list[torch.nn.Module]:
         # Build on meta, parallelize, then materialize: no rank ever holds the full model.
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
@@ -212,12 +237,25 @@ class Trainer:
             f"{nparams:,}",
             self.flops_per_token,
         )
-        parallelize_llama(model, self.parallel_dims, self.cfg)
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        model.train()
-        return model
+        parts = [model]
+        if self.parallel_dims.pp_enabled:
+            self.pipeline, parts = pipeline_llama(
+                model,
+                self.parallel_dims,
+                self.cfg,
+                self.device,
+                self.loss_fn,
+                lambda part: parallelize_llama(part, self.parallel_dims, self.cfg),
+            )
+        else:
+            parallelize_llama(model, self.parallel_dims, self.cfg)
+        for part in parts:
+            with simulation.materialize_context():  # fake tensors under COMM_MODE=fake_backend
+                part.to_empty(device=self.device)
+                with torch.no_grad():
+                    part.init_weights(buffer_device=None)
+            part.train()
+        return parts
 
     def _build_metrics(self) -> MetricsProcessor:
         cfg, side = self.cfg, self.side_folder
@@ -228,6 +266,8 @@ class Trainer:
             if cfg.metrics.enable_tensorboard:
                 sinks.append(TensorBoardSink(os.path.join(side, cfg.metrics.save_tb_folder)))
             sinks.extend(self.extra_sinks)
+            if (mlflow := mlflow_sink_from_env()) is not None:  # set by the pipeline's train task
+                sinks.append(mlflow)
         dtype = compute_dtype(cfg.training, self.parallel_dims.fsdp_enabled)
         return MetricsProcessor(
             cfg.metrics,
@@ -256,12 +296,31 @@ class Trainer:
         stack = contextlib.ExitStack()
         if self.parallel_dims.loss_parallel_enabled(self.cfg.parallelism):
             stack.enter_context(loss_parallel())
+        if self.parallel_dims.cp_enabled:
+            stack.enter_context(self._cp_context(inputs, labels))
         return stack
+
+    def _cp_context(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> contextlib.AbstractContextManager:
+        """Shard this micro-batch and the RoPE tables along the sequence; SDPA runs as a ring."""
+        buffers, seq_dims, no_restore = model_cp_buffers(self.model_parts, inputs, labels)
+        return context_parallel_context(
+            self.parallel_dims.mesh["cp"],
+            buffers,
+            seq_dims,
+            no_restore,
+            self.cfg.parallelism.context_parallel_rotate_method,
+        )
 
     def _forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Forward, loss and backward of one micro-batch; returns the detached scaled loss."""
+        """Forward, loss and backward of one micro-batch; returns the detached scaled loss
+        (under PP: the last stage's loss, zero on other stages' ranks)."""
+        if self.pipeline is not None:
+            with self._train_context(inputs, labels), self._autocast():
+                return self.pipeline.step(inputs, labels, scale)
         with self._train_context(inputs, labels):
             with self._autocast():
                 pred = self.model(inputs)  # (bs, seq, vocab)
@@ -278,8 +337,12 @@ class Trainer:
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in batches:
-            loss_sum += self._forward_backward(inputs, labels, 1.0 / len(batches))
-        grad_norm = dist_utils.clip_grad_norm_(self._params, self.cfg.training.max_norm)
+            loss = self._forward_backward(inputs, labels, 1.0 / len(batches))
+            # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
+            loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
+        grad_norm = dist_utils.clip_grad_norm_(
+            self._params, self.cfg.training.max_norm, self._pp_group()
+        )
         self.checkpointer.wait_for_staging()  # a background save may still be copying weights
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -294,10 +357,15 @@ class Trainer:
         self.metrics.add_data_time(time.perf_counter() - start)
         return batches
 
+    def _pp_group(self) -> dist.ProcessGroup | None:
+        return self.parallel_dims.mesh["pp"].get_group() if self.pipeline is not None else None
+
     def _reduce_for_log(self, loss: torch.Tensor) -> float:
         if self.dist.world_size > 1:
             loss = loss.clone()
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+            if self.pipeline is not None:  # only the last stage's ranks (1 in pp) hold a loss
+                loss *= self.parallel_dims.pp
         return loss.item()
 
     def _restore(self) -> int:
@@ -318,7 +386,7 @@ class Trainer:
                 **self.metrics.log(step, self._reduce_for_log(loss), grad_norm.item(), lr),
             }
         if self.validator.should_validate(step, last):
-            val = self.validator.validate(self.model)
+            val = self.validator.validate(self.model_parts, self.pipeline)
             logger.info("step: %5d  validation loss: %.4f", step, val["validation/loss"])
             self.metrics.log_scalars(step, val)
             row = {**(row or {"step": step}), **val}
@@ -368,14 +436,21 @@ class Trainer:
                     if step % t.gc_freq == 0:
                         gc.collect(1)
                     batches = self._next_batches(data_iter)
+                    flight_recorder.maybe_inject_hang(step, self.dist.rank)
                     try:
                         loss, grad_norm = self.train_step(batches)
                     except torch.OutOfMemoryError:
                         if mem_profiler:
                             mem_profiler.step(step, exit_=True)
                         raise
+                    if step == start_step + 1:  # the slow first step is done: tighten timeouts
+                        flight_recorder.set_pg_timeouts(cfg.comm.train_timeout_seconds)
                     self.train_state.ntokens_seen += tokens_per_step
-                    self.metrics.add_step(tokens_per_step)
+                    # Per device, as torchtitan counts: ranks of one data stream (tp, cp, pp)
+                    # share its tokens, so tps and MFU stay per-device figures.
+                    self.metrics.add_step(
+                        tokens_per_step / self.parallel_dims.non_data_parallel_size
+                    )
                     last = step == t.steps
                     if row := self._record(step, last, loss, grad_norm):
                         history.append(row)

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_core.checkpoint import storage
+from titan_core.checkpoint.states import LoadPlanner
 from titan_core.config.dtypes import TORCH_DTYPES
 from titan_core.config.job import Checkpoint as CheckpointConfig
 from titan_core.errors import CheckpointError
@@ -69,6 +71,8 @@ class CheckpointManager:
         self._pending: tuple[Future, int, bool] | None = None
         self._staging: Future | None = None
         self._stager: DefaultStager | None = None
+        self.reader: Callable[[dict[str, Any], str], None] | None = None
+        """Replaces DCP's load (COMM_MODE=local_tensor reads without collectives)."""
         self._pg = None
         if cfg.enable and cfg.async_mode != "disabled" and world_size > 1:
             # Background saves must not share a process group with training collectives.
@@ -173,8 +177,11 @@ class CheckpointManager:
 
     def _dcp_load(self, path: str, keys: list[str]) -> None:
         state = {k: self.states[k] for k in keys}
+        if self.reader is not None:
+            self.reader(state, path)
+            return
         try:
-            dcp.load(state, storage_reader=storage.dcp_reader(path))
+            dcp.load(state, storage_reader=storage.dcp_reader(path), planner=LoadPlanner())
         except dcp.CheckpointException as e:  # a BaseException: `except Exception` misses it
             raise CheckpointError(
                 f"checkpoint: cannot load {keys} from {path}: {str(e).splitlines()[0]}"

@@ -9,8 +9,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+
+from titan_core.logging import logger
+
+_RNG_KEY = "train_state.rng_rank_"
 
 
 class ModelState(Stateful):
@@ -58,3 +64,21 @@ class TrainState(Stateful):
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         random.setstate(rng["python"])
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's strict load planner, except for per-rank RNG states: a checkpoint saved by a
+    smaller world (e.g. one process, resumed under TP 2) has none for the extra ranks, which
+    then keep their seeded RNG instead of failing the load."""
+
+    def create_local_plan(self) -> LoadPlan:
+        """The default plan without the RNG keys the checkpoint lacks."""
+        stored = self.metadata.state_dict_metadata
+        for key in [k for k in self.state_dict if k.startswith(_RNG_KEY) and k not in stored]:
+            del self.state_dict[key]
+            logger.warning(
+                "Checkpoint has no %s (saved by another world size): this rank keeps its "
+                "seeded RNG state",
+                key,
+            )
+        return super().create_local_plan()

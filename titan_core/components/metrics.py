@@ -195,7 +195,7 @@ class MetricsProcessor:
         """Account time spent waiting for the dataloader."""
         self._data_s += seconds
 
-    def add_step(self, num_tokens: int) -> None:
+    def add_step(self, num_tokens: float) -> None:
         """Account one finished optimizer step of ``num_tokens`` tokens on this rank."""
         self._tokens += num_tokens
         self._steps += 1

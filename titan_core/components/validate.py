@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_core.config.job import JobConfig
 from titan_core.config.job import Validation as ValidationConfig
 from titan_core.data.datasets import is_local_dataset
+from titan_core.distributed.pipeline_parallel import PipelineRunner
+
+# Called with a batch's (inputs, labels) on the device; the forward and loss run inside it.
+BatchContext = Callable[[torch.Tensor, torch.Tensor], contextlib.AbstractContextManager]
 
 
 def validation_data(cfg: JobConfig) -> dict[str, Any]:
@@ -37,9 +43,14 @@ def validation_data(cfg: JobConfig) -> dict[str, Any]:
 
 
 class Validator:
-    """Computes mean validation loss over ``cfg.steps`` batches, averaged over data-parallel ranks.
+    """Computes mean validation loss over ``cfg.steps`` batches, averaged over ``dp_group``.
 
     Each run starts the validation loader from its beginning, so runs are comparable step to step.
+    ``batch_context(inputs, labels)`` wraps each batch's forward and loss as in training (loss
+    parallel, context parallel). Under context parallelism it shards every batch along the
+    sequence like a training micro-batch, so no rank ever attends over the full sequence; each
+    CP rank then scores an equal share of the tokens and ``dp_group`` must span the data- and
+    context-parallel ranks, whose mean is the mean over all tokens.
     """
 
     def __init__(
@@ -49,33 +60,63 @@ class Validator:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         device: torch.device,
         dp_group: dist.ProcessGroup | None = None,
+        pp_group: dist.ProcessGroup | None = None,
+        batch_context: BatchContext | None = None,
     ) -> None:
         self.cfg = cfg
         self.build_loader = build_loader
         self.loss_fn = loss_fn
         self.device = device
         self.dp_group = dp_group
+        self.pp_group = pp_group
+        self.batch_context = batch_context
 
     def should_validate(self, step: int, last: bool) -> bool:
         """Validate every ``freq`` steps and at the last step."""
         return self.cfg.enable and (last or step % self.cfg.freq == 0)
 
+    def _batch_loss(
+        self,
+        model_parts: list[nn.Module],
+        pipeline: PipelineRunner | None,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+    ) -> torch.Tensor | None:
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        context = self.batch_context or (lambda *_: contextlib.nullcontext())
+        with context(inputs, labels):
+            if pipeline is not None:  # forward through the stages; the last one has the loss
+                return pipeline.eval_loss(inputs, labels)
+            return self.loss_fn(model_parts[0](inputs), labels)
+
     @torch.no_grad()
-    def validate(self, model: nn.Module) -> dict[str, float]:
-        """Return ``{"validation/loss", "validation/batches"}``; the model is left in train mode."""
-        model.eval()
+    def validate(
+        self, model_parts: list[nn.Module], pipeline: PipelineRunner | None = None
+    ) -> dict[str, float]:
+        """Return ``{"validation/loss", "validation/batches"}``; the model is left in train mode.
+
+        Under pipeline parallelism ``pipeline`` runs the stages in ``model_parts``."""
+        for part in model_parts:
+            part.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        batches = 0
+        batches, has_loss = 0, True
         for inputs, labels in self.build_loader():
             if batches == self.cfg.steps:
                 break
-            pred = model(inputs.to(self.device))
-            total += self.loss_fn(pred, labels.to(self.device)).double()
+            loss = self._batch_loss(model_parts, pipeline, inputs, labels)
+            has_loss = loss is not None
+            if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor
+                loss = loss.to_local()
+            total += loss.double() if has_loss else 0.0
             batches += 1
-        model.train()
+        for part in model_parts:
+            part.train()
         stats = torch.tensor([total.item(), float(batches)], dtype=torch.float64)
         if self.dp_group is not None:
             dist.all_reduce(stats, group=self.dp_group)
+        if self.pp_group is not None:  # the last stage's result, to every stage's rank
+            stats *= float(has_loss)
+            dist.all_reduce(stats, group=self.pp_group)
         return {
             "validation/loss": stats[0].item() / max(stats[1].item(), 1.0),
             "validation/batches": stats[1].item(),

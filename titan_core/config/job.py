@@ -7,6 +7,7 @@ functions and later Prefect/MLflow views are all projections of ``JobConfig``. U
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -30,6 +31,8 @@ class Job:
     """Root folder or fsspec URL for checkpoints, traces, snapshots and metrics of this job."""
     description: str = "titan training job"
     """Free-text description recorded with the resolved config."""
+    experiment: str = "titan"
+    """Experiment this job belongs to: its MLflow experiment and <storage.root>/<experiment>/."""
     print_config: bool = False
     """Log the resolved config as TOML at start-up."""
     save_config: bool = True
@@ -37,6 +40,12 @@ class Job:
 
     def __post_init__(self) -> None:
         _require(bool(self.dump_folder), "job.dump_folder", "a non-empty path or URL", "")
+        _require(
+            bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.experiment)),
+            "job.experiment",
+            "a name of letters, digits, '.', '_' or '-'",
+            self.experiment,
+        )
 
 
 @dataclass(kw_only=True)
@@ -337,9 +346,28 @@ class Comm:
     train_timeout_seconds: int = 100
     """Collective timeout after the first step."""
     trace_buf_size: int = 20000
-    """Flight-recorder entries per rank; 0 disables the recorder."""
+    """Flight-recorder entries per rank (dumped to <dump_folder>/comm_traces on failure); 0 off."""
     mode: Literal["default", "fake_backend", "local_tensor"] = "default"
     """default, fake_backend (dry run, fake collectives), local_tensor (simulate all ranks)."""
+    fake_world_size: int = 0
+    """Ranks that fake_backend / local_tensor simulate in one process (run_train.sh: NGPU)."""
+
+    def __post_init__(self) -> None:
+        for key in ("init_timeout_seconds", "train_timeout_seconds"):
+            value = getattr(self, key)
+            _require(value > 0, f"comm.{key}", "seconds > 0", value)
+        _require(
+            self.trace_buf_size >= 0, "comm.trace_buf_size", "an int >= 0", self.trace_buf_size
+        )
+        _require(
+            self.mode == "default" or self.fake_world_size >= 1,
+            "comm.fake_world_size",
+            f"the number of ranks to simulate (>= 1) with comm.mode={self.mode}",
+            self.fake_world_size,
+        )
+        _require(
+            self.fake_world_size >= 0, "comm.fake_world_size", "an int >= 0", self.fake_world_size
+        )
 
 
 @dataclass(kw_only=True)
@@ -436,6 +464,97 @@ class Debug:
     """torch intra-op threads; 0 keeps torch's default."""
 
 
+# --- pipeline: launching, storage and tracking (used by tasks/ and flows/) ----------------------
+
+
+@dataclass(kw_only=True)
+class Launch:
+    """How the pipeline launches training (torchrun through titan_core.launch)."""
+
+    backend: Literal["local"] = "local"
+    """Launcher backend: local (one torchrun on this host)."""
+    nproc_per_node: int = 1
+    """Processes (ranks) per node."""
+    nnodes: int = 1
+    """Nodes in the job; world size = nnodes * nproc_per_node."""
+    rdzv_endpoint: str = ""
+    """host:port of the c10d rendezvous; empty picks a free port on this host."""
+    max_restarts: int = 0
+    """torchrun's in-place restarts of a failed worker group."""
+    omp_num_threads: int = 1
+    """OMP_NUM_THREADS of every rank; 0 keeps the environment's value."""
+    log_ranks: str = "0"
+    """Local ranks whose output is streamed: a comma list such as 0,1, or all."""
+    retries: int = 2
+    """Pipeline relaunches of failed training, each resuming from the newest complete checkpoint."""
+    retry_delay_seconds: float = 10.0
+    """Seconds before the first relaunch; doubles with each further attempt."""
+    device_memory_gib: float = 0.0
+    """Memory per device the preflight estimate must fit in; 0 = the GPU's own (none on CPU)."""
+
+    def __post_init__(self) -> None:
+        for key in ("nproc_per_node", "nnodes"):
+            value = getattr(self, key)
+            _require(value >= 1, f"launch.{key}", "an int >= 1", value)
+        for key in ("max_restarts", "retries", "omp_num_threads"):
+            value = getattr(self, key)
+            _require(value >= 0, f"launch.{key}", "an int >= 0", value)
+        _require(
+            self.retry_delay_seconds >= 0,
+            "launch.retry_delay_seconds",
+            ">= 0",
+            self.retry_delay_seconds,
+        )
+        _require(
+            self.device_memory_gib >= 0, "launch.device_memory_gib", ">= 0", self.device_memory_gib
+        )
+        _require(
+            not self.rdzv_endpoint or bool(re.fullmatch(r"[^\s:]+:\d+", self.rdzv_endpoint)),
+            "launch.rdzv_endpoint",
+            "host:port or empty",
+            self.rdzv_endpoint,
+        )
+        _require(
+            self.log_ranks == "all" or bool(re.fullmatch(r"\d+(,\d+)*", self.log_ranks)),
+            "launch.log_ranks",
+            "a comma list of local ranks (e.g. 0,1) or all",
+            self.log_ranks,
+        )
+
+
+@dataclass(kw_only=True)
+class Storage:
+    """Where pipeline runs keep their artifacts."""
+
+    root: str = "./outputs"
+    """Run root: a folder or URL (s3://bucket/prefix); a run lives in <root>/<experiment>/<run>/."""
+    credentials_block: str = ""
+    """Prefect Secret block with S3 credentials as JSON; empty reads the AWS_* environment."""
+    retries: int = 4
+    """Attempts per file for uploads and downloads, with exponential backoff."""
+    progress: bool = True
+    """Show progress bars for uploads and downloads."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.root), "storage.root", "a non-empty path or URL", self.root)
+        _require(self.retries >= 1, "storage.retries", "an int >= 1", self.retries)
+
+
+@dataclass(kw_only=True)
+class Tracking:
+    """MLflow tracking of pipeline runs."""
+
+    enable: bool = True
+    """Record runs, params, metrics and models in MLflow."""
+    uri: str = ""
+    """Tracking URI; empty uses $MLFLOW_TRACKING_URI, else sqlite:///<storage.root>/mlflow.db."""
+    artifact_location: str = ""
+    """Artifact root of a new experiment; empty uses <storage.root>/mlflow-artifacts (or the
+    server's default for an http URI)."""
+    registered_model: str = ""
+    """Registry name of the Hugging Face export; empty uses job.experiment."""
+
+
 @dataclass(kw_only=True)
 class JobConfig:
     """Root of the job configuration."""
@@ -472,3 +591,9 @@ class JobConfig:
     """Validation loss."""
     debug: Debug = field(default_factory=Debug)
     """Seeds and determinism."""
+    launch: Launch = field(default_factory=Launch)
+    """How the pipeline launches training."""
+    storage: Storage = field(default_factory=Storage)
+    """Run storage of the pipeline."""
+    tracking: Tracking = field(default_factory=Tracking)
+    """MLflow tracking of the pipeline."""

@@ -117,6 +117,16 @@ class ParallelDims:
         raise AssertionError("the mesh has no data-parallel dimension")
 
     @property
+    def dp_cp_mesh(self) -> DeviceMesh:
+        """1-D mesh over the ranks whose losses average to the global one: data parallel and
+        context parallel (each CP rank holds an equal share of every sequence's tokens)."""
+        names = self.mesh.mesh_dim_names or ()
+        if "cp" not in names:
+            return self.dp_mesh
+        has_dp = any(n in names for n in ("dp_replicate", "dp_shard"))
+        return self.mesh["dp_cp" if has_dp else "cp"]
+
+    @property
     def dp_enabled(self) -> bool:
         """Whether any data parallelism (replicate or shard) is on."""
         return self.dp_replicate * self.dp_shard > 1
@@ -125,6 +135,14 @@ class ParallelDims:
     def fsdp_enabled(self) -> bool:
         """Whether parameters are sharded (FSDP, or the shard dim of HSDP, incl. CP)."""
         return self.dp_shard * self.cp > 1
+
+    @property
+    def fsdp_mesh_dims(self) -> tuple[str, ...]:
+        """Mesh dims FSDP shards over: dp_shard and cp (flattened when both are on; CP ranks
+        hold different tokens, so they split parameters too), behind dp_replicate for HSDP."""
+        shard = [name for name in ("dp_shard", "cp") if getattr(self, name) > 1] or ["dp_shard"]
+        names = ("dp_shard_cp",) if len(shard) == 2 else tuple(shard)
+        return (("dp_replicate",) if self.dp_replicate > 1 else ()) + names
 
     @property
     def tp_enabled(self) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titan_core.distributed import flight_recorder
 from titan_core.logging import logger
 
 
@@ -45,12 +46,8 @@ def init_distributed(init_timeout_seconds: int, trace_buf_size: int, dump_folder
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        if trace_buf_size > 0:
-            # The flight recorder is configured through env vars read at process-group creation.
-            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
-            os.environ.setdefault(
-                "TORCH_FR_DUMP_TEMP_FILE", os.path.join(dump_folder, "comm_traces", "rank_")
-            )
+        # The flight recorder is configured through env vars read at process-group creation.
+        flight_recorder.configure(trace_buf_size, dump_folder)
         backend = "cuda:nccl,cpu:gloo" if dev_type == "cuda" else "gloo"
         dist.init_process_group(
             backend=backend, timeout=datetime.timedelta(seconds=init_timeout_seconds)
@@ -97,8 +94,11 @@ def destroy_process_group() -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Global gradient norm over all ranks' shards; clips in place when ``max_norm > 0``."""
+def clip_grad_norm_(
+    parameters: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Global gradient norm over all ranks' shards (and over the pipeline stages of
+    ``pp_group``); clips in place when ``max_norm > 0``."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -106,6 +106,11 @@ def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float) -> torch.Te
     if isinstance(total_norm, DTensor):
         # The local norm is a partial over sharded dims; full_tensor() reduces it across ranks.
         total_norm = total_norm.full_tensor()
+    if pp_group is not None:
+        # Each stage holds different parameters: the squared norms add up across stages.
+        total_norm = total_norm**2
+        dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=pp_group)
+        total_norm = total_norm**0.5
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
     return total_norm

@@ -96,7 +96,9 @@ def _table(est: Estimate) -> Table:
     return table
 
 
-def _print_report(est: Estimate, device_bytes: int) -> None:
+def print_report(est: Estimate, device_bytes: int = 0) -> None:
+    """Print the header, the per-rank memory table and FLOPs (and the fit verdict when
+    ``device_bytes`` is given) to stdout."""
     console = Console(file=sys.stdout, width=max(100, Console().width))
     for line in _header(est):
         console.print(line, highlight=False, soft_wrap=True)
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             out["fits"] = fits(est.memory, device_bytes)
         print(json.dumps(out, indent=2))
     else:
-        _print_report(est, device_bytes)
+        print_report(est, device_bytes)
     return 0
 
 

@@ -189,3 +189,8 @@ def estimate_memory(layout: Layout, profiles: Profiles) -> MemoryEstimate:
     """The estimate of the pipeline rank with the highest modelled peak."""
     estimates = [_rank_estimate(layout, profiles, rank) for rank in layout.ranks]
     return max(estimates, key=lambda e: e.peak)
+
+
+def estimate_rank_memory(layout: Layout, profiles: Profiles, pp_rank: int) -> MemoryEstimate:
+    """The estimate of pipeline rank ``pp_rank`` (``estimate_memory`` reports the fullest)."""
+    return _rank_estimate(layout, profiles, layout.ranks[pp_rank])

@@ -53,7 +53,7 @@ class Attention(nn.Module):
         self.sdpa = ScaledDotProductAttention()
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """Map x (bs, seq, dim) to (bs, seq, dim); ``freqs_cis`` is (seq, head_dim // 2)."""
+        """Map x (bs, seq, dim) to (bs, seq, dim); ``freqs_cis`` has >= seq rows (see rope)."""
         bs, seq, _ = x.shape
         # -1 for the head count: under tensor parallelism each rank holds only its local heads.
         xq = self.wq(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, n_heads, hd)

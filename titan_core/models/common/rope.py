@@ -52,10 +52,16 @@ def precompute_freqs_cis(
 def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q (bs, seq, n_heads, head_dim) and k (bs, seq, n_kv_heads, head_dim) by position."""
+    """Rotate q (bs, seq, n_heads, head_dim) and k (bs, seq, n_kv_heads, head_dim) by position.
+
+    ``freqs_cis`` holds at least ``seq`` rows (the first ``seq`` are used), so callers may pass
+    the whole table: under sequence parallelism only attention sees the full sequence.
+    """
     seq, half = xq.shape[1], xq.shape[-1] // 2
-    assert freqs_cis.shape == (seq, half), f"freqs_cis {tuple(freqs_cis.shape)} != {(seq, half)}"
-    freqs = freqs_cis.view(1, seq, 1, half)
+    assert freqs_cis.shape[0] >= seq and freqs_cis.shape[1] == half, (
+        f"freqs_cis {tuple(freqs_cis.shape)} too small for {(seq, half)}"
+    )
+    freqs = freqs_cis[:seq].view(1, seq, 1, half)
     # Rotation in fp32 even under bf16 autocast/FSDP mixed precision: angles at long positions
     # lose too much precision otherwise.
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], half, 2))

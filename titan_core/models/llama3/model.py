@@ -177,8 +177,9 @@ class Transformer(nn.Module):
                 f"sequence length {seq} exceeds the RoPE table ({self.freqs_cis.shape[0]} rows); "
                 "raise model.max_seq_len"
             )
-        freqs_cis = self.freqs_cis[:seq]  # (seq, head_dim // 2)
+        # The whole table: attention uses its first rows. Under sequence parallelism ``seq`` here
+        # is this rank's slice, while attention sees (and rotates) the full sequence.
         for layer in self.layers.values():
-            h = layer(h, freqs_cis)  # (bs, seq, dim)
+            h = layer(h, self.freqs_cis)  # (bs, seq, dim)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h  # (bs, seq, vocab)
