@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from titan_core.build import build_model_args
 from titan_core.checkpoint import storage
 from titan_core.checkpoint.manager import COMMIT_MARKER
 from titan_core.config.job import JobConfig
@@ -44,7 +45,6 @@ from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.models.llama3 import Transformer, llama3_flavors
 from titan_core.models.llama3.state_dict_adapter import _to_rotate_half
 from titan_core.train import run
-from titan_core.trainer import build_model_args
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]

@@ -31,8 +31,8 @@ def _train(ns: argparse.Namespace, rest: list[str]) -> int:
         # COMM_MODE: one process simulates all ngpu ranks (titan_core.distributed.comm_mode).
         rest, ns.ngpu = simulated, 1
     if ns.ngpu > 1:
+        from titan_core.build import check_job
         from titan_core.config.manager import parse_args
-        from titan_core.trainer import check_job
 
         check_job(parse_args(rest), ns.ngpu)  # a bad config fails here, before torchrun starts
         torchrun = shutil.which("torchrun") or os.path.join(

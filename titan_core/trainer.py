@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import tempfile
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titan_core.build import build_model_parts, check_job, local_side_folder
 from titan_core.checkpoint import storage
 from titan_core.checkpoint.manager import CheckpointManager
 from titan_core.checkpoint.states import ModelState, TrainState
@@ -40,70 +40,13 @@ from titan_core.components.validate import Validator, validation_data
 from titan_core.config.dtypes import autocast_dtype, compute_dtype
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import to_toml
-from titan_core.data import Tokenizer, build_dataloader, default_tokenizer_path
-from titan_core.distributed import flight_recorder, simulation
+from titan_core.data import build_dataloader
+from titan_core.distributed import flight_recorder
 from titan_core.distributed import utils as dist_utils
 from titan_core.distributed.context_parallel import context_parallel_context, model_cp_buffers
-from titan_core.distributed.parallel_dims import ParallelDims
-from titan_core.distributed.pipeline_parallel import ModelPartsView, PipelineRunner
-from titan_core.errors import ConfigError
+from titan_core.distributed.pipeline_parallel import ModelPartsView
 from titan_core.logging import init_logger, logger
-from titan_core.models import get_flavor, get_model_spec
-from titan_core.models.llama3.parallelize import check_supported, parallelize_llama
-from titan_core.models.llama3.pipeline import pipeline_llama
-
-
-def local_side_folder(dump_folder: str) -> str:
-    """Local folder for traces, snapshots, TensorBoard and metrics.jsonl.
-
-    These writers need a real file system; when the dump folder is a URL they go to a local
-    mirror that the pipeline uploads.
-    """
-    if not storage.is_url(dump_folder):
-        return dump_folder.removeprefix("file://")
-    safe = dump_folder.replace("://", "_").replace("/", "_")
-    return os.path.join(tempfile.gettempdir(), "titan_runs", safe)
-
-
-def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> Any:
-    """The flavor's model args with the vocabulary, depth and RoPE length this job needs."""
-    args = get_flavor(cfg.model.name, cfg.model.flavor)
-    if 0 < cfg.model.vocab_size < tokenizer_vocab:
-        raise ConfigError(
-            f"model.vocab_size: expected >= the tokenizer's {tokenizer_vocab} "
-            f"tokens, got {cfg.model.vocab_size}"
-        )
-    args.vocab_size = cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab
-    if cfg.model.n_layers > 0:
-        args.n_layers = cfg.model.n_layers
-    if cfg.model.max_seq_len > 0:
-        if cfg.model.max_seq_len < cfg.training.seq_len:
-            raise ConfigError(
-                f"model.max_seq_len: expected >= training.seq_len "
-                f"({cfg.training.seq_len}), got {cfg.model.max_seq_len}"
-            )
-        args.max_seq_len = cfg.model.max_seq_len
-    else:
-        args.max_seq_len = max(args.max_seq_len, cfg.training.seq_len)
-    return args
-
-
-def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer, Any]:
-    """Every check that needs no process group: degrees, the parallel plan, tokenizer, model
-    shapes. Run by the trainer before ``init_distributed`` and by ``titan train`` before it
-    launches torchrun, so a bad config fails with one line before any process starts."""
-    parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    check_supported(parallel_dims, cfg, dist_utils.device_type())
-    tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
-    get_model_spec(cfg.model.name)
-    model_args = build_model_args(cfg, tokenizer.n_words)
-    if parallel_dims.cp_enabled:
-        # CP shards the RoPE table with the tokens, so it needs exactly one row per token.
-        model_args.max_seq_len = cfg.training.seq_len
-    parallel_dims.validate_model(
-        model_args.n_heads, model_args.n_kv_heads or model_args.n_heads, model_args.n_layers
-    )
-    return parallel_dims, tokenizer, model_args
+from titan_core.models import get_model_spec
 
 
 class Trainer:
@@ -145,8 +88,9 @@ class Trainer:
         self.loss_fn = cross_entropy_loss
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
-        self.pipeline: PipelineRunner | None = None
-        self.model_parts = self._build_model(spec)
+        self.model_parts, self.pipeline, self.flops_per_token = build_model_parts(
+            spec, self.model_args, self.parallel_dims, cfg, self.device, self.loss_fn
+        )
         # Under PP, one module over this rank's stages with the unsplit model's names.
         self.model = (
             self.model_parts[0] if self.pipeline is None else ModelPartsView(self.model_parts)
@@ -222,40 +166,6 @@ class Trainer:
         return Validator(
             v, build, cross_entropy_loss, self.device, group, pp_group, self._train_context
         )
-
-    def _build_model(self, spec: Any) -> list[torch.nn.Module]:
-        # Build on meta, parallelize, then materialize: no rank ever holds the full model.
-        with torch.device("meta"):
-            model = spec.model_cls(self.model_args)
-        nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(
-            model, self.cfg.training.seq_len
-        )
-        logger.info(
-            "Model %s %s: %s parameters, %.3e training FLOPs/token",
-            self.cfg.model.name,
-            self.cfg.model.flavor,
-            f"{nparams:,}",
-            self.flops_per_token,
-        )
-        parts = [model]
-        if self.parallel_dims.pp_enabled:
-            self.pipeline, parts = pipeline_llama(
-                model,
-                self.parallel_dims,
-                self.cfg,
-                self.device,
-                self.loss_fn,
-                lambda part: parallelize_llama(part, self.parallel_dims, self.cfg),
-            )
-        else:
-            parallelize_llama(model, self.parallel_dims, self.cfg)
-        for part in parts:
-            with simulation.materialize_context():  # fake tensors under COMM_MODE=fake_backend
-                part.to_empty(device=self.device)
-                with torch.no_grad():
-                    part.init_weights(buffer_device=None)
-            part.train()
-        return parts
 
     def _build_metrics(self) -> MetricsProcessor:
         cfg, side = self.cfg, self.side_folder

@@ -125,11 +125,11 @@ def _local_dirname(path: str) -> str:
 
 
 def _dcp_to_hf(ns: argparse.Namespace, overrides: list[str]) -> int:
+    from titan_core.build import build_model_args
     from titan_core.config.manager import parse_args
     from titan_core.convert import storage_errors
     from titan_core.convert.dcp_to_hf import dcp_to_hf
     from titan_core.data import Tokenizer, default_tokenizer_path
-    from titan_core.trainer import build_model_args
 
     dtype = _DTYPE_ALIASES.get(ns.dtype)
     if dtype is None:

@@ -269,7 +269,7 @@ def _check_divisible(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
 
 def build_layout(cfg: JobConfig, world_size: int) -> Layout:
     """Validate ``cfg`` for ``world_size`` ranks and describe what each rank holds."""
-    from titan_core.trainer import build_model_args
+    from titan_core.build import build_model_args
 
     if world_size < 1:
         raise ConfigError(f"--ngpu: expected an int >= 1, got {world_size}")

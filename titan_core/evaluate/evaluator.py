@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from titan_core.build import build_model_args
 from titan_core.checkpoint import storage
 from titan_core.components.validate import validation_data
 from titan_core.config.dtypes import autocast_dtype
@@ -52,7 +53,6 @@ from titan_core.evaluate.loading import (
 )
 from titan_core.evaluate.report import build_report, write_report
 from titan_core.logging import logger
-from titan_core.trainer import build_model_args
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

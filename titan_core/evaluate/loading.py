@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from titan_core.build import build_model_args
 from titan_core.checkpoint import storage
 from titan_core.checkpoint.manager import COMMIT_MARKER, SEED_DIR, complete_steps, read_marker
 from titan_core.checkpoint.states import ModelState
@@ -28,7 +29,6 @@ from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.errors import CheckpointError, ConfigError
 from titan_core.models import get_model_spec
 from titan_core.models.llama3.parallelize import parallelize_llama
-from titan_core.trainer import build_model_args
 
 _STEP_DIR_RE = re.compile(rf"^(step-\d+|{SEED_DIR})$")
 

@@ -1,0 +1,123 @@
+"""Building a job's pieces before training: the checks that need no process group, the model
+args a job resolves to, and the parallelized, materialized model parts.
+
+Shared by the trainer, ``titan train`` (checks before torchrun starts), conversion, evaluation and
+estimation, none of which should import the trainer for these.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from titan_core.checkpoint import storage
+from titan_core.config.job import JobConfig
+from titan_core.data import Tokenizer, default_tokenizer_path
+from titan_core.distributed import simulation
+from titan_core.distributed import utils as dist_utils
+from titan_core.distributed.parallel_dims import ParallelDims
+from titan_core.distributed.pipeline_parallel import PipelineRunner
+from titan_core.errors import ConfigError
+from titan_core.logging import logger
+from titan_core.models import get_flavor, get_model_spec
+from titan_core.models.llama3.parallelize import check_supported, parallelize_llama
+from titan_core.models.llama3.pipeline import pipeline_llama
+
+
+def local_side_folder(dump_folder: str) -> str:
+    """Local folder for traces, snapshots, TensorBoard and metrics.jsonl.
+
+    These writers need a real file system; when the dump folder is a URL they go to a local
+    mirror that the pipeline uploads.
+    """
+    if not storage.is_url(dump_folder):
+        return dump_folder.removeprefix("file://")
+    safe = dump_folder.replace("://", "_").replace("/", "_")
+    return os.path.join(tempfile.gettempdir(), "titan_runs", safe)
+
+
+def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> Any:
+    """The flavor's model args with the vocabulary, depth and RoPE length this job needs."""
+    args = get_flavor(cfg.model.name, cfg.model.flavor)
+    if 0 < cfg.model.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size: expected >= the tokenizer's {tokenizer_vocab} "
+            f"tokens, got {cfg.model.vocab_size}"
+        )
+    args.vocab_size = cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab
+    if cfg.model.n_layers > 0:
+        args.n_layers = cfg.model.n_layers
+    if cfg.model.max_seq_len > 0:
+        if cfg.model.max_seq_len < cfg.training.seq_len:
+            raise ConfigError(
+                f"model.max_seq_len: expected >= training.seq_len "
+                f"({cfg.training.seq_len}), got {cfg.model.max_seq_len}"
+            )
+        args.max_seq_len = cfg.model.max_seq_len
+    else:
+        args.max_seq_len = max(args.max_seq_len, cfg.training.seq_len)
+    return args
+
+
+def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer, Any]:
+    """Every check that needs no process group: degrees, the parallel plan, tokenizer, model
+    shapes. Run by the trainer before ``init_distributed`` and by ``titan train`` before it
+    launches torchrun, so a bad config fails with one line before any process starts."""
+    parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    check_supported(parallel_dims, cfg, dist_utils.device_type())
+    tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
+    get_model_spec(cfg.model.name)
+    model_args = build_model_args(cfg, tokenizer.n_words)
+    if parallel_dims.cp_enabled:
+        # CP shards the RoPE table with the tokens, so it needs exactly one row per token.
+        model_args.max_seq_len = cfg.training.seq_len
+    parallel_dims.validate_model(
+        model_args.n_heads, model_args.n_kv_heads or model_args.n_heads, model_args.n_layers
+    )
+    return parallel_dims, tokenizer, model_args
+
+
+def build_model_parts(
+    spec: Any,
+    model_args: Any,
+    parallel_dims: ParallelDims,
+    cfg: JobConfig,
+    device: torch.device,
+    loss_fn: Callable[..., torch.Tensor],
+) -> tuple[list[torch.nn.Module], PipelineRunner | None, int]:
+    """Build on meta, parallelize (and split into pipeline stages), then materialize: no rank
+    ever holds the full model. Returns (this rank's model parts, the pipeline runner or None,
+    training FLOPs per token)."""
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    nparams, flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
+    logger.info(
+        "Model %s %s: %s parameters, %.3e training FLOPs/token",
+        cfg.model.name,
+        cfg.model.flavor,
+        f"{nparams:,}",
+        flops_per_token,
+    )
+    pipeline, parts = None, [model]
+    if parallel_dims.pp_enabled:
+        pipeline, parts = pipeline_llama(
+            model,
+            parallel_dims,
+            cfg,
+            device,
+            loss_fn,
+            lambda part: parallelize_llama(part, parallel_dims, cfg),
+        )
+    else:
+        parallelize_llama(model, parallel_dims, cfg)
+    for part in parts:
+        with simulation.materialize_context():  # fake tensors under COMM_MODE=fake_backend
+            part.to_empty(device=device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=None)
+        part.train()
+    return parts, pipeline, flops_per_token

@@ -1,0 +1,116 @@
+"""Exit codes and torchrun's failure report → one clear ``LaunchError``.
+
+torchrun exits 1 when a worker fails and prints a "Root Cause" block naming the first failed
+rank and its exit code (negative: killed by that signal). The training entry point exits 2 on a
+user error after printing one ``error: ...`` line, which is not worth a relaunch.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Sequence
+
+USER_ERROR_EXIT = 2  # titan_core.train: a TitanError (bad config, missing data)
+_ROOT_CAUSE_RE = re.compile(r"Root Cause")
+_RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+_USER_ERROR_RE = re.compile(r"(?:^|\]:?\s*)error: (.+)$")
+_OOM_RE = re.compile(r"OutOfMemoryError|CUDA out of memory")
+
+
+class LaunchError(RuntimeError):
+    """A launched job failed: ``str(e)`` is one line; ``retryable`` says whether to relaunch."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        returncode: int,
+        exitcode: int | None = None,
+        rank: int | None = None,
+        retryable: bool = True,
+    ) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.exitcode = exitcode
+        self.rank = rank
+        self.retryable = retryable
+
+
+def signal_name(num: int) -> str:
+    """``SIGKILL`` for 9; ``signal 64`` for numbers without a name."""
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _root_cause(tail: Sequence[str]) -> tuple[int | None, int | None]:
+    """(rank, exitcode) of torchrun's first observed failure, if it printed one."""
+    rank = exitcode = None
+    seen = False
+    for line in tail:
+        seen = seen or bool(_ROOT_CAUSE_RE.search(line))
+        if not seen:
+            continue
+        if rank is None and (m := _RANK_RE.match(line)):
+            rank = int(m.group(1))
+        if exitcode is None and (m := _EXIT_RE.match(line)):
+            exitcode = int(m.group(1))
+    return rank, exitcode
+
+
+def _user_error(tail: Sequence[str]) -> str | None:
+    for line in reversed(tail):
+        if m := _USER_ERROR_RE.search(line.strip()):
+            return m.group(1).strip()
+    return None
+
+
+def describe_failure(returncode: int, tail: Sequence[str], what: str = "training") -> LaunchError:
+    """The ``LaunchError`` for a launcher that exited with ``returncode``, given its output."""
+    if returncode < 0:
+        name = signal_name(-returncode)
+        return LaunchError(
+            f"{what}: the launcher (torchrun) was killed by {name}",
+            returncode=returncode,
+            retryable=True,
+        )
+    rank, exitcode = _root_cause(tail)
+    code = exitcode if exitcode is not None else returncode
+    where = f"rank {rank}" if rank is not None else "the job"
+    if code == USER_ERROR_EXIT:
+        reason = _user_error(tail) or "see the log above"
+        return LaunchError(
+            f"{what}: rejected its input: {reason}",
+            returncode=returncode,
+            exitcode=code,
+            rank=rank,
+            retryable=False,
+        )
+    if code < 0:
+        hint = " (out of memory, or killed from outside)" if -code == signal.SIGKILL else ""
+        return LaunchError(
+            f"{what}: {where} was killed by {signal_name(-code)}{hint}",
+            returncode=returncode,
+            exitcode=code,
+            rank=rank,
+            retryable=True,
+        )
+    if any(_OOM_RE.search(line) for line in tail):
+        return LaunchError(
+            f"{what}: {where} ran out of device memory (exit code {code}); lower "
+            "training.local_batch_size or enable activation_checkpoint.mode",
+            returncode=returncode,
+            exitcode=code,
+            rank=rank,
+            retryable=False,
+        )
+    return LaunchError(
+        f"{what}: {where} failed with exit code {code}; the log above shows why",
+        returncode=returncode,
+        exitcode=code,
+        rank=rank,
+        retryable=True,
+    )
