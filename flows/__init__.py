@@ -1,1 +1,1 @@
-"""flows: filled in by the pipeline issue."""
+"""Prefect flows: compositions of ``tasks`` (pretrain_pipeline, retrain, convert, evaluate, ...)."""

@@ -1,1 +1,1 @@
-"""tasks: filled in by the pipeline issue."""
+"""Prefect tasks: thin typed adapters over ``titan_core`` that pass URLs between stages."""

@@ -60,3 +60,30 @@ def parity_reference(tmp_path_factory: pytest.TempPathFactory, parity_seed: Path
     from parallel_harness import run_layout
 
     return run_layout(tmp_path_factory.mktemp("parity_ref"), parity_seed, nproc=1, dp=1)
+
+
+# --- pipeline: one Prefect test harness (temporary API server + database) per session ----------
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A temporary Prefect API (SQLite) for every flow run of the session; yields PREFECT_HOME.
+
+    Started once (~6-30 s); task results (the cache of cached tasks) go under the yielded home.
+    """
+    from prefect.settings import (
+        PREFECT_HOME,
+        PREFECT_LOCAL_STORAGE_PATH,
+        PREFECT_SERVER_ANALYTICS_ENABLED,
+        temporary_settings,
+    )
+    from prefect.testing.utilities import prefect_test_harness
+
+    home = tmp_path_factory.mktemp("prefect_home")
+    settings = {
+        PREFECT_HOME: str(home),
+        PREFECT_LOCAL_STORAGE_PATH: str(home / "storage"),
+        PREFECT_SERVER_ANALYTICS_ENABLED: False,
+    }
+    with temporary_settings(updates=settings), prefect_test_harness(server_startup_timeout=180):
+        yield home

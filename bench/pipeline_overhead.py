@@ -1,0 +1,99 @@
+"""Pipeline overhead: the demo pipeline's wall time against the sum of its stage times.
+
+    .venv/bin/python bench/pipeline_overhead.py [--steps N] [--storage DIR] [overrides ...]
+
+Prefect starts first (a warm-up flow brings up the temporary local server), then the demo
+pipeline (``pretrain_pipeline`` on the debug model, as ``make demo`` runs it) is timed from the
+call to its return. The stages' own durations come from Prefect's task runs of that same flow
+run; overhead = wall - sum(stages), i.e. what orchestration, tracking set-up between stages and
+result handling cost. Goal: overhead <= 10% of the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GOAL = 0.10
+
+
+def _stage_times(flow_run_id: object) -> list[tuple[str, float]]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    runs.sort(key=lambda r: r.start_time or r.expected_start_time)
+    return [
+        (r.name.rsplit("-", 1)[0], (r.end_time - r.start_time).total_seconds())
+        for r in runs
+        if r.start_time and r.end_time
+    ]
+
+
+def main() -> int:
+    """Run the demo pipeline once and print its stage times and overhead."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=0, help="training steps (default: recipe)")
+    parser.add_argument("--storage", default="", help="run root (default: a temporary folder)")
+    ns, overrides = parser.parse_known_args()
+    storage = ns.storage or tempfile.mkdtemp(prefix="titan-bench-")
+    os.environ.setdefault("PREFECT_HOME", os.path.join(storage, ".prefect"))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    from flows.cli import prepare_prefect_env
+
+    prepare_prefect_env()
+    from prefect import flow
+
+    from flows.demo import DEMO_CONFIG, DEMO_EVAL_BATCHES, DEMO_MODULE, DEMO_OVERRIDES
+    from flows.pipeline import pretrain_pipeline
+
+    @flow(name="warm-up")
+    def warm_up() -> None:
+        """Bring up Prefect's temporary server before the timed run."""
+
+    start = time.perf_counter()
+    warm_up()
+    startup = time.perf_counter() - start
+    steps = ["--training.steps", str(ns.steps)] if ns.steps else []
+    start = time.perf_counter()
+    state = pretrain_pipeline(
+        module=DEMO_MODULE,
+        config=DEMO_CONFIG,
+        overrides=[*DEMO_OVERRIDES, *steps, "--storage.no_progress", *overrides],
+        storage_root=storage,
+        eval_batches=DEMO_EVAL_BATCHES,
+        return_state=True,
+    )
+    wall = time.perf_counter() - start
+    if not state.is_completed():
+        print(f"pipeline failed: {state.message}", file=sys.stderr)
+        return 1
+    stages = _stage_times(state.state_details.flow_run_id)
+    total = sum(seconds for _, seconds in stages)
+    print(f"\nPrefect start-up (excluded): {startup:.1f}s; storage: {storage}")
+    print(f"{'stage':<24}{'seconds':>10}{'share':>9}")
+    for name, seconds in stages:
+        print(f"{name:<24}{seconds:>10.2f}{100 * seconds / wall:>8.1f}%")
+    overhead = wall - total
+    verdict = "meets" if overhead <= GOAL * wall else "MISSES"
+    print(f"{'sum of stages':<24}{total:>10.2f}{100 * total / wall:>8.1f}%")
+    print(f"{'pipeline wall time':<24}{wall:>10.2f}")
+    print(
+        f"overhead: {overhead:.2f}s = {100 * overhead / wall:.1f}% of the wall time "
+        f"({verdict} the <= {GOAL:.0%} goal)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

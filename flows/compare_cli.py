@@ -1,0 +1,71 @@
+"""``titan compare``: run the ``compare`` flow and print its table.
+
+    titan compare --experiment NAME [--runs ID_OR_NAME ...] [--tracking-uri URI] [--max-runs N]
+
+Prefect is imported only after its environment is prepared (as for ``titan pipeline``): a
+project-local ``PREFECT_HOME`` unless one is set, analytics off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from titan_core.errors import ConfigError, TitanError
+
+
+def _preflight(experiment: str, tracking_uri: str) -> None:
+    """One-line errors before Prefect starts: the server answers, the experiment exists."""
+    from mlflow import MlflowClient
+
+    from tasks.tracking import check_tracking
+
+    check_tracking(tracking_uri)
+    if MlflowClient(tracking_uri=tracking_uri).get_experiment_by_name(experiment) is None:
+        raise ConfigError(
+            f"compare.experiment: no MLflow experiment named {experiment!r} at {tracking_uri}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``titan compare``: run the compare flow and print its table."""
+    parser = argparse.ArgumentParser(
+        prog="titan compare", description="Compare MLflow runs of one experiment."
+    )
+    parser.add_argument("--experiment", required=True, help="MLflow experiment (job.experiment)")
+    parser.add_argument("--runs", nargs="+", default=[], help="run ids or names (default: newest)")
+    parser.add_argument(
+        "--tracking-uri",
+        default="",
+        help="MLflow URI (default: $MLFLOW_TRACKING_URI, else ./outputs)",
+    )
+    parser.add_argument("--max-runs", type=int, default=10, help="newest runs when --runs absent")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    ns = parser.parse_args(argv)
+    from flows.cli import prepare_prefect_env
+
+    prepare_prefect_env()
+    from tasks.compare import default_tracking_uri
+
+    uri = ns.tracking_uri or default_tracking_uri()
+    try:
+        if ns.max_runs < 1:
+            raise ConfigError(f"compare.max_runs: expected an int >= 1, got {ns.max_runs}")
+        _preflight(ns.experiment, uri)
+        from flows.compare import compare
+
+        result = compare(ns.experiment, ns.runs or None, uri, ns.max_runs)
+    except TitanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if ns.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(result["markdown"])
+        print(f"MLflow: run {result['compare_run_id']} in {result['tracking_uri']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

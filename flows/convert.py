@@ -1,0 +1,32 @@
+"""``convert``: a DCP checkpoint of a run to a Hugging Face folder, as a flow of its own."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from tasks.convert import convert_to_hf
+from tasks.storage import absolute
+from titan_core.checkpoint import storage
+
+
+def run_config_url(checkpoint: str) -> str:
+    """``<run>/config.toml`` for a step directory ``<run>/checkpoint/step-N``."""
+    from titan_core.evaluate import resolve_checkpoint
+
+    return storage.join(resolve_checkpoint(checkpoint).run_root, "config.toml")
+
+
+@flow(name="convert")
+def convert(
+    checkpoint: str, output: str = "", config_file: str = "", dtype: str = "bfloat16"
+) -> str:
+    """Export ``checkpoint`` (a step dir, or a run's checkpoint folder = its newest step) to
+    ``output`` (default ``<run>/hf``); the job config defaults to the run's ``config.toml``.
+    Returns the export's URL."""
+    from titan_core.evaluate import resolve_checkpoint
+
+    step_dir = resolve_checkpoint(checkpoint).step_dir
+    config_url = config_file or run_config_url(step_dir)
+    return convert_to_hf(
+        step_dir, config_url, output=absolute(output) if output else "", dtype=dtype
+    )

@@ -1,0 +1,110 @@
+"""``titan pipeline deploy``: register the deployments of ``deployments/prefect.yaml``.
+
+    titan pipeline deploy [--pool NAME] [--name DEPLOYMENT ...] [--prefect-file FILE]
+
+Checks that a Prefect server answers at ``PREFECT_API_URL``, creates the work pool when it is
+missing (a process pool unless ``--pool-type`` says otherwise), then runs ``prefect deploy`` from
+the project root so the entrypoints (``flows/*.py:flow``) resolve and process workers start their
+flow runs there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from titan_core.errors import ConfigError, TitanError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PREFECT_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
+DEFAULT_POOL = "titan-process"
+
+
+def _api_url() -> str:
+    """The Prefect API URL from the environment or the active profile; an error when unset."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise ConfigError(
+            "PREFECT_API_URL: not set; start a server (prefect server start) and export "
+            "PREFECT_API_URL=http://127.0.0.1:4200/api so deployments outlive this command"
+        )
+    return url
+
+
+def ensure_work_pool(name: str, pool_type: str = "process") -> bool:
+    """Create work pool ``name`` of ``pool_type`` unless it exists; True when created."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+
+    url = _api_url()
+    with get_client(sync_client=True) as client:
+        if client.api_healthcheck() is not None:
+            raise ConfigError(f"PREFECT_API_URL: no Prefect server answers at {url}")
+        try:
+            client.read_work_pool(name)
+            return False
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=name, type=pool_type))
+            return True
+
+
+def deploy(
+    prefect_file: str | Path = DEFAULT_PREFECT_FILE,
+    pool: str = "",
+    names: list[str] | None = None,
+    pool_type: str = "process",
+    project_dir: str | Path = PROJECT_ROOT,
+) -> int:
+    """Create the pool if needed and run ``prefect deploy``; returns its exit code."""
+    prefect_file = Path(prefect_file).resolve()
+    if not prefect_file.is_file():
+        raise ConfigError(
+            f"--prefect-file: expected a prefect.yaml file, got {str(prefect_file)!r}"
+        )
+    created = ensure_work_pool(pool or DEFAULT_POOL, pool_type)
+    if created:
+        print(f"created work pool {pool or DEFAULT_POOL!r} ({pool_type})")
+    cmd = [sys.executable, "-m", "prefect", "deploy", "--prefect-file", str(prefect_file)]
+    cmd += [arg for name in names or [] for arg in ("--name", name)] or ["--all"]
+    if pool:
+        cmd += ["--pool", pool]
+    env = {**os.environ, "PREFECT_CLI_PROMPT": "false"}
+    return subprocess.run(cmd, cwd=project_dir, env=env, check=False).returncode
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``titan pipeline deploy``."""
+    parser.add_argument("--prefect-file", default=str(DEFAULT_PREFECT_FILE), help="prefect.yaml")
+    parser.add_argument(
+        "--pool", default="", help=f"work pool (default: the file's, {DEFAULT_POOL})"
+    )
+    parser.add_argument("--pool-type", default="process", help="type of a pool created here")
+    parser.add_argument(
+        "--name", dest="names", action="append", default=[], help="deployment name (repeatable)"
+    )
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Deploy from parsed arguments; user errors print one line and return 2."""
+    try:
+        return deploy(ns.prefect_file, ns.pool, ns.names, ns.pool_type)
+    except TitanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry: ``python -m flows.deploy`` == ``titan pipeline deploy``."""
+    parser = argparse.ArgumentParser(prog="titan pipeline deploy", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""``retrain``: continue a model line from its newest checkpoint, evaluate, promote if better.
+
+A model line is ``<storage.root>/<experiment>/``: every run of the experiment. The newest
+complete checkpoint among them (by commit time) seeds a new run that trains ``steps`` more
+steps with the previous run's config (plus any overrides, e.g. new data), is exported and
+evaluated, and becomes a new model version; the ``champion`` alias moves to it only when its
+eval loss beats the champion's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from prefect import flow
+
+from flows.config import resolve_job, run_config
+from flows.pipeline import run_tracked, train_and_publish
+from tasks.preflight import preflight
+from tasks.runs import find_latest_checkpoint, prepare_storage
+from tasks.storage import RunPaths, absolute, configure_credentials, new_run_id
+from tasks.tracking import TrackingContext
+from titan_core.config.job import JobConfig
+from titan_core.config.manager import to_toml
+
+
+def continued_config(
+    cfg: JobConfig, latest: dict[str, Any], previous: JobConfig, steps: int
+) -> JobConfig:
+    """``cfg`` loading ``latest`` and training ``steps`` steps past it."""
+    model_only = latest["model_only"]
+    excluded = list(cfg.checkpoint.exclude_from_loading)
+    if cfg.training.dataset != previous.training.dataset and "dataloader" not in excluded:
+        excluded.append("dataloader")  # new data: its position in the old data means nothing
+    return dataclasses.replace(
+        cfg,
+        training=dataclasses.replace(
+            cfg.training, steps=(0 if model_only else latest["step"]) + steps
+        ),
+        checkpoint=dataclasses.replace(
+            cfg.checkpoint,
+            initial_load_path=latest["step_dir"],
+            initial_load_model_only=model_only,
+            exclude_from_loading=excluded,
+        ),
+    )
+
+
+@flow(name="retrain")
+def retrain(
+    steps: int = 100,
+    experiment: str = "",
+    config_file: str = "",
+    overrides: list[str] | None = None,
+    storage_root: str = "",
+    tracking_uri: str = "",
+    eval_batches: int = 20,
+) -> dict[str, Any]:
+    """Train ``steps`` more steps from the newest checkpoint of ``experiment``'s model line.
+
+    The previous run's ``config.toml`` is the base config (``config_file`` replaces it);
+    ``overrides`` apply on top. Returns the new run's summary (``champion`` says whether the
+    alias moved to its model version).
+    """
+    if steps < 1:
+        from titan_core.errors import ConfigError
+
+        raise ConfigError(f"retrain: steps: expected an int >= 1, got {steps}")
+    base = resolve_job(overrides=overrides, storage=storage_root, tracking_uri=tracking_uri)
+    root = absolute(base.storage.root)
+    line = experiment or base.job.experiment
+    configure_credentials(base.storage.credentials_block)
+    latest = find_latest_checkpoint(root, line)
+    extra = ["--job.experiment", line, *(overrides or [])]
+    previous = resolve_job(config_file=latest["config_url"])
+    cfg = resolve_job(
+        config_file=config_file or latest["config_url"],
+        overrides=extra,
+        storage=storage_root or root,
+        tracking_uri=tracking_uri,
+    )
+    paths = RunPaths(absolute(cfg.storage.root), line, new_run_id())
+
+    def body(tracking: TrackingContext | None) -> dict[str, Any]:
+        """The stages inside the parent MLflow run."""
+        prepare_storage(paths, cfg.storage.credentials_block)
+        job = continued_config(run_config(cfg, paths, cfg.tokenizer.path), latest, previous, steps)
+        preflight(to_toml(job), paths.config)
+        result = train_and_publish(job, paths, tracking, seed_url="", eval_batches=eval_batches)
+        return result | {"continued_from": latest["step_dir"]}
+
+    return run_tracked(cfg, paths, body)

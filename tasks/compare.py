@@ -1,0 +1,305 @@
+"""Compare MLflow runs of one experiment: a summary table, the config keys that differ, loss curves.
+
+``compare_experiment`` is plain MLflow (usable without Prefect); the ``compare_runs`` task wraps
+it and publishes the result as Prefect table, markdown and image artifacts. The comparison itself
+is logged as an MLflow run of the same experiment (tag ``titan.stage=compare``, never compared):
+``loss_curves.png``, ``comparison.md`` and ``comparison.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prefect import task
+
+from tasks.common import retry_transient
+from tasks.tracking import STAGE_TAG, check_tracking, resolve_tracking_uri
+from titan_core.config.job import JobConfig
+from titan_core.errors import ConfigError
+
+# Metric names as logged by the trainer's MetricsProcessor (train stage) and the eval stage.
+LOSS_KEY, TPS_KEY, MFU_KEY, PERPLEXITY_KEY = "loss", "tps", "mfu_pct", "eval/perplexity"
+COMPARE_STAGE = "compare"  # runs tagged titan.stage=compare are this module's own output
+PARENT_TAG = "mlflow.parentRunId"
+PLOT_NAME = "loss_curves.png"
+
+
+@dataclass
+class RunSummary:
+    """One compared run: headline numbers, merged params and its loss curve."""
+
+    run_id: str
+    name: str
+    status: str
+    final_loss: float | None = None
+    eval_perplexity: float | None = None
+    tokens_per_s: float | None = None
+    mfu_pct: float | None = None
+    steps: int | None = None
+    params: dict[str, str] = field(default_factory=dict)
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        """The table row (no params, no curve)."""
+        return {
+            "run": self.name,
+            "run_id": self.run_id,
+            "status": self.status,
+            "steps": self.steps,
+            "final_loss": self.final_loss,
+            "eval_perplexity": self.eval_perplexity,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu_pct": self.mfu_pct,
+        }
+
+
+@dataclass
+class Comparison:
+    """The result of a comparison, as returned by the task and the flow."""
+
+    experiment: str
+    tracking_uri: str
+    runs: list[dict[str, Any]]
+    differing_params: dict[str, dict[str, str | None]]
+    compare_run_id: str
+    plot_uri: str
+    markdown: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data."""
+        return asdict(self)
+
+
+def default_tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI`` when set, else the pipeline's default (``./outputs/mlflow.db``)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or resolve_tracking_uri(JobConfig())
+
+
+def _steady(values: list[float]) -> float | None:
+    """Median of a rate's logged values, leaving out the first (warm-up) when there are more."""
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) > 1:
+        finite = finite[1:]
+    return statistics.median(finite) if finite else None
+
+
+def _metric_owners(client: Any, run: Any) -> list[Any]:
+    """The run followed by its nested (stage) runs: metrics may live on either."""
+    children = client.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{run.info.run_id}'"
+    )
+    return [run, *sorted(children, key=lambda r: r.info.start_time or 0)]
+
+
+def summarize_run(client: Any, run: Any) -> RunSummary:
+    """Collect one run's final loss, eval perplexity, throughput, MFU, params and loss curve."""
+    summary = RunSummary(
+        run_id=run.info.run_id, name=run.info.run_name or run.info.run_id, status=run.info.status
+    )
+    owners = _metric_owners(client, run)
+    for owner in reversed(owners):  # the parent's params win over a stage's
+        summary.params.update(owner.data.params)
+    for owner in owners:
+        metrics, owner_id = owner.data.metrics, owner.info.run_id
+        if LOSS_KEY in metrics and not summary.loss_curve:
+            history = client.get_metric_history(owner_id, LOSS_KEY)
+            curve = sorted({m.step: m.value for m in history}.items())
+            summary.loss_curve = curve
+            summary.final_loss, summary.steps = curve[-1][1], curve[-1][0]
+        for attr, key in (("tokens_per_s", TPS_KEY), ("mfu_pct", MFU_KEY)):
+            if key in metrics and getattr(summary, attr) is None:
+                history = client.get_metric_history(owner_id, key)
+                ordered = [m.value for m in sorted(history, key=lambda m: m.step)]
+                setattr(summary, attr, _steady(ordered))
+        if PERPLEXITY_KEY in metrics and summary.eval_perplexity is None:
+            summary.eval_perplexity = metrics[PERPLEXITY_KEY]
+    return summary
+
+
+def differing_params(runs: list[RunSummary]) -> dict[str, dict[str, str | None]]:
+    """Config keys whose value is not the same in every run: {key: {run_id: value or None}}."""
+    keys = sorted(set().union(*(r.params for r in runs)))
+    out = {}
+    for key in keys:
+        values = {r.run_id: r.params.get(key) for r in runs}
+        if len(set(values.values())) > 1:
+            out[key] = values
+    return out
+
+
+def select_runs(client: Any, experiment: str, run_ids: list[str], max_runs: int) -> list[Any]:
+    """The chosen runs (ids or names, in that order), else the newest top-level runs."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise ConfigError(f"compare.experiment: no MLflow experiment named {experiment!r}")
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
+    runs = [r for r in runs if r.data.tags.get(STAGE_TAG) != COMPARE_STAGE]
+    top = [r for r in runs if PARENT_TAG not in r.data.tags]
+    if run_ids:
+        # Any run by id; by name only top-level runs (stage runs are all called train, ...).
+        names = {r.info.run_name: r for r in reversed(top) if r.info.run_name}
+        by_key = {r.info.run_id: r for r in runs} | names
+        missing = [k for k in run_ids if k not in by_key]
+        if missing:
+            raise ConfigError(
+                f"compare.runs: no run {', '.join(missing)} in experiment {experiment!r} "
+                "(expected run ids or run names)"
+            )
+        return [by_key[k] for k in run_ids]
+    if not top:
+        raise ConfigError(f"compare.experiment: experiment {experiment!r} has no runs")
+    return list(reversed(top[:max_runs]))  # oldest first reads naturally in tables and legends
+
+
+def plot_loss_curves(runs: list[RunSummary], path: str, title: str) -> str:
+    """Write a PNG of every run's loss curve (matplotlib, Agg backend); returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    try:
+        for run in runs:
+            if run.loss_curve:
+                steps, losses = zip(*run.loss_curve)
+                ax.plot(steps, losses, marker=".", label=f"{run.name} ({run.run_id[:8]})")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if any(r.loss_curve for r in runs):
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 100 else f"{value:,.1f}"
+    return str(value)
+
+
+def render_markdown(
+    experiment: str, runs: list[RunSummary], diff: dict[str, dict[str, str | None]], plot: str
+) -> str:
+    """The comparison for people: headline table, differing config keys, the loss-curve image."""
+    head = ["run", "run_id", "status", "steps", "final_loss", "eval_perplexity"]
+    head += ["tokens_per_s", "mfu_pct"]
+    lines = [f"# Comparison of {len(runs)} runs in `{experiment}`", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for run in runs:
+        row = run.row()
+        row["run_id"] = f"`{run.run_id[:8]}`"
+        lines.append("| " + " | ".join(_fmt(row[h]) for h in head) + " |")
+    lines += ["", "## Config keys that differ", ""]
+    if diff:
+        names = [f"{r.name} (`{r.run_id[:8]}`)" for r in runs]
+        lines += ["| key | " + " | ".join(names) + " |", "|" + " --- |" * (len(runs) + 1)]
+        for key, values in diff.items():
+            cells = [_fmt(values[r.run_id]) for r in runs]
+            lines.append(f"| `{key}` | " + " | ".join(cells) + " |")
+    else:
+        lines.append("None: every run has the same config.")
+    lines += ["", "## Loss curves", "", f"![loss curves]({plot})", ""]
+    return "\n".join(lines)
+
+
+def artifact_url(tracking_uri: str, run: Any, name: str) -> str:
+    """A URL for a run's artifact: the server's download route over HTTP, else its URI."""
+    if tracking_uri.startswith(("http://", "https://")):
+        query = urllib.parse.urlencode({"path": name, "run_uuid": run.info.run_id})
+        return f"{tracking_uri.rstrip('/')}/get-artifact?{query}"
+    return f"{run.info.artifact_uri.rstrip('/')}/{name}"
+
+
+def compare_experiment(
+    experiment: str, run_ids: list[str] | None = None, tracking_uri: str = "", max_runs: int = 10
+) -> Comparison:
+    """Compare runs of ``experiment`` and log the comparison (PNG, markdown, JSON) to MLflow.
+
+    An empty ``tracking_uri`` means ``MLFLOW_TRACKING_URI``, else the pipeline's default.
+    """
+    from mlflow import MlflowClient
+
+    if max_runs < 1:
+        raise ConfigError(f"compare.max_runs: expected an int >= 1, got {max_runs}")
+    uri = tracking_uri or default_tracking_uri()
+    check_tracking(uri)
+    client = MlflowClient(tracking_uri=uri)
+    chosen = select_runs(client, experiment, list(run_ids or []), max_runs)
+    runs = [summarize_run(client, r) for r in chosen]
+    diff = differing_params(runs)
+    exp_id = chosen[0].info.experiment_id
+    tags = {STAGE_TAG: COMPARE_STAGE, "titan.compared_runs": ",".join(r.run_id for r in runs)}
+    record = client.create_run(
+        exp_id, run_name=f"compare-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags
+    )
+    try:
+        plot_uri = artifact_url(uri, record, PLOT_NAME)
+        markdown = render_markdown(experiment, runs, diff, plot_uri)
+        result = Comparison(
+            experiment=experiment,
+            tracking_uri=uri,
+            runs=[r.row() for r in runs],
+            differing_params=diff,
+            compare_run_id=record.info.run_id,
+            plot_uri=plot_uri,
+            markdown=markdown,
+        )
+        with tempfile.TemporaryDirectory(prefix="titan-compare-") as tmp:
+            plot_loss_curves(runs, os.path.join(tmp, PLOT_NAME), f"{experiment}: training loss")
+            with open(os.path.join(tmp, "comparison.md"), "w") as f:
+                f.write(markdown)
+            with open(os.path.join(tmp, "comparison.json"), "w") as f:
+                json.dump(result.to_dict(), f, indent=2)
+            for name in (PLOT_NAME, "comparison.md", "comparison.json"):
+                client.log_artifact(record.info.run_id, os.path.join(tmp, name))
+        client.set_terminated(record.info.run_id, "FINISHED")
+    except BaseException:
+        client.set_terminated(record.info.run_id, "FAILED")
+        raise
+    return result
+
+
+@task(
+    retries=2,
+    retry_delay_seconds=[2, 10],
+    retry_condition_fn=retry_transient,
+    task_run_name="compare-{experiment}",
+)
+def compare_runs(
+    experiment: str, run_ids: list[str] | None = None, tracking_uri: str = "", max_runs: int = 10
+) -> dict[str, Any]:
+    """Compare an experiment's runs in MLflow and show the result as Prefect artifacts."""
+    from prefect.artifacts import (
+        create_image_artifact,
+        create_markdown_artifact,
+        create_table_artifact,
+    )
+
+    result = compare_experiment(experiment, run_ids, tracking_uri, max_runs)
+    key = "compare-" + "".join(c if c.isalnum() else "-" for c in experiment.lower())
+    create_table_artifact(
+        key=f"{key}-table", table=result.runs, description=f"Runs of {experiment}"
+    )
+    create_markdown_artifact(key=key, markdown=result.markdown, description="Run comparison")
+    create_image_artifact(
+        key=f"{key}-loss", image_url=result.plot_uri, description="Loss curves (MLflow artifact)"
+    )
+    return result.to_dict()

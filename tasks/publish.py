@@ -1,0 +1,178 @@
+"""``publish``: register the Hugging Face export in MLflow and summarise the run in Prefect.
+
+The export becomes a new version of the registered model (its source is the export's storage
+URL); the alias ``champion`` moves to it only when its eval loss beats the current champion's.
+The parent MLflow run gets the final train and eval metrics and the run's config and eval report
+as artifacts; Prefect gets a markdown summary, a metrics table and links.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.common import redact, retry_transient, run_logger
+from tasks.storage import absolute, refresh
+from tasks.tracking import TrackingContext, client, log_metrics
+from titan_core.checkpoint import storage
+
+CHAMPION = "champion"
+EVAL_LOSS_TAG = "eval_loss"
+_TRAIN_KEYS = ("loss", "tps", "mfu_pct", "tflops", "grad_norm")
+
+
+def final_train_metrics(run_root: str) -> dict[str, float]:
+    """The last logged values of the headline training metrics (from ``metrics.jsonl``)."""
+    path = storage.join(run_root, "metrics.jsonl")
+    refresh(path)
+    if not storage.exists(path):
+        return {}
+    last: dict[str, float] = {}
+    for line in storage.read_text(path).splitlines():
+        row = json.loads(line)
+        last.update({f"train/{k}": row[k] for k in _TRAIN_KEYS if k in row})
+    return last
+
+
+def register_version(
+    tracking: TrackingContext, name: str, source: str, tags: dict[str, str]
+) -> str:
+    """A new version of registered model ``name`` (created when missing); returns the version."""
+    mlflow_client = client(tracking.uri)
+    if not mlflow_client.search_registered_models(filter_string=f"name = '{name}'"):
+        mlflow_client.create_registered_model(name)
+    version = mlflow_client.create_model_version(
+        name, source=source, run_id=tracking.parent_run_id, tags=tags
+    )
+    return str(version.version)
+
+
+def champion_loss(tracking: TrackingContext, name: str) -> float | None:
+    """The eval loss recorded on the current champion version, or None without a champion."""
+    mlflow_client = client(tracking.uri)
+    try:
+        version = mlflow_client.get_model_version_by_alias(name, CHAMPION)
+    except Exception:  # no such alias (MLflow raises a RestException)
+        return None
+    value = version.tags.get(EVAL_LOSS_TAG)
+    return float(value) if value is not None else None
+
+
+def promote_if_better(
+    tracking: TrackingContext, name: str, version: str, eval_loss: float
+) -> tuple[bool, float | None]:
+    """Move ``champion`` to ``version`` if its eval loss is lower; returns (moved, old loss)."""
+    previous = champion_loss(tracking, name)
+    better = not math.isnan(eval_loss) and (previous is None or eval_loss < previous)
+    if better:
+        client(tracking.uri).set_registered_model_alias(name, CHAMPION, version)
+    return better, previous
+
+
+def _summary_markdown(summary: dict[str, Any], metrics: dict[str, float]) -> str:
+    lines = [
+        f"# Run `{summary['run_id']}`",
+        "",
+        f"- run root: `{summary['run_root']}`",
+        f"- final checkpoint: `{summary['checkpoint']}`",
+        f"- Hugging Face export: `{summary['hf']}`",
+        f"- model version: {summary.get('model_name', '-')} v{summary.get('model_version', '-')}"
+        + (" (champion)" if summary.get("champion") else ""),
+        "",
+        "| metric | value |",
+        "| --- | ---: |",
+    ]
+    lines += [f"| {k} | {v:.4f} |" for k, v in sorted(metrics.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _prefect_artifacts(summary: dict[str, Any], metrics: dict[str, float], md: str) -> None:
+    from prefect.artifacts import (
+        create_link_artifact,
+        create_markdown_artifact,
+        create_table_artifact,
+    )
+
+    create_markdown_artifact(md, key="run-summary", description="Pipeline run summary")
+    create_table_artifact(
+        [{"metric": k, "value": round(v, 6)} for k, v in sorted(metrics.items())],
+        key="run-metrics",
+        description="Final training and evaluation metrics",
+    )
+    for key, url in (("run-root", summary["run_root"]), ("hf-export", summary["hf"])):
+        link = url if storage.is_url(url) else "file://" + absolute(url)
+        create_link_artifact(link, link_text=url, key=key)
+
+
+def _mlflow_artifacts(tracking: TrackingContext, summary: dict[str, Any], md: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="titan-publish-") as tmp:
+        files = {"summary.md": md, "summary.json": json.dumps(summary, indent=2)}
+        config = storage.join(summary["run_root"], "config.toml")
+        if storage.exists(config):
+            files["config.toml"] = storage.read_text(config)
+        for name, text in files.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(redact(text))
+        client(tracking.uri).log_artifacts(tracking.parent_run_id, tmp, "run")
+
+
+@task(name="publish", cache_policy=NO_CACHE, retries=2, retry_condition_fn=retry_transient)
+def publish(
+    run_root: str,
+    checkpoint_url: str,
+    hf_url: str,
+    evaluation: dict[str, Any],
+    tracking: TrackingContext | None = None,
+    registered_model: str = "",
+) -> dict[str, Any]:
+    """Register ``hf_url`` as a model version, move ``champion`` if it improved, summarise.
+
+    Returns the summary (URLs, model name/version, whether it became the champion, metrics).
+    """
+    run_id = run_root.rstrip("/").rsplit("/", 1)[-1]
+    metrics = {**final_train_metrics(run_root)}
+    metrics |= {f"eval/{k}": float(v) for k, v in evaluation["metrics"].items()}
+    summary: dict[str, Any] = {
+        "run_id": run_id,
+        "run_root": redact(run_root),
+        "checkpoint": redact(checkpoint_url),
+        "hf": redact(hf_url),
+        "eval_report": redact(evaluation["report_url"]),
+        "metrics": metrics,
+    }
+    if tracking is not None:
+        name = registered_model or tracking.experiment
+        eval_loss = float(evaluation["metrics"]["loss"])
+        version = register_version(
+            tracking,
+            name,
+            hf_url if storage.is_url(hf_url) else absolute(hf_url),
+            {
+                EVAL_LOSS_TAG: repr(eval_loss),
+                "run_root": redact(run_root),
+                "step": str(evaluation["step"]),
+            },
+        )
+        moved, previous = promote_if_better(tracking, name, version, eval_loss)
+        summary |= {"model_name": name, "model_version": version, "champion": moved}
+        summary["previous_champion_loss"] = previous
+        log_metrics(tracking, tracking.parent_run_id, metrics)
+    md = _summary_markdown(summary, metrics)
+    if tracking is not None:
+        _mlflow_artifacts(tracking, summary, md)
+    _prefect_artifacts(summary, metrics, md)
+    run_logger().info(
+        "Published %s: %s",
+        redact(hf_url),
+        f"model {summary['model_name']} v{summary['model_version']}"
+        + (" (new champion)" if summary["champion"] else " (champion unchanged)")
+        if tracking is not None
+        else "untracked",
+    )
+    return summary

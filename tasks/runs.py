@@ -1,0 +1,93 @@
+"""Run-level tasks: open the run's storage and tracking, find a model line's newest checkpoint.
+
+Each is the first stage that needs its service, so a wrong URL, bad credentials or a tracking
+server that does not answer fail here, with one line, before anything is trained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.common import redact, retry_transient, run_logger
+from tasks.storage import RunPaths, check_storage, configure_credentials, refresh
+from tasks.tracking import TrackingContext, start_pipeline_run
+from titan_core.checkpoint import storage
+from titan_core.checkpoint.manager import complete_steps, read_marker
+from titan_core.config.job import JobConfig
+from titan_core.errors import CheckpointError
+
+
+@task(name="prepare_storage", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_transient)
+def prepare_storage(paths: RunPaths, credentials_block: str = "") -> str:
+    """Load credentials, check the run root can be written and read; returns the run root."""
+    configure_credentials(credentials_block)
+    check_storage(paths.run_root)
+    run_logger().info("Run root %s is writable", redact(paths.run_root))
+    return paths.run_root
+
+
+@task(name="start_tracking", cache_policy=NO_CACHE)
+def start_tracking(cfg: JobConfig, paths: RunPaths) -> TrackingContext:
+    """Create the MLflow experiment (if new) and this pipeline run's parent run."""
+    from prefect.runtime import flow_run
+
+    ctx = start_pipeline_run(cfg, paths, str(flow_run.id or ""))
+    run_logger().info(
+        "MLflow: experiment %r, parent run %s at %s",
+        ctx.experiment,
+        ctx.parent_run_id,
+        redact(ctx.uri),
+    )
+    return ctx
+
+
+def _complete_checkpoints(run_root: str) -> list[dict[str, Any]]:
+    folder = storage.join(run_root, "checkpoint")
+    found = []
+    for step in complete_steps(folder):
+        step_dir = storage.join(folder, f"step-{step}")
+        marker = read_marker(step_dir) or {}
+        found.append(
+            {
+                "step_dir": step_dir,
+                "run_root": run_root,
+                "step": step,
+                "model_only": bool(marker.get("model_only", False)),
+                "time": float(marker.get("time", 0.0)),
+                "config_url": storage.join(run_root, "config.toml"),
+            }
+        )
+    return found
+
+
+def latest_checkpoint(root: str, experiment: str) -> dict[str, Any] | None:
+    """The newest complete checkpoint of any run under ``<root>/<experiment>/`` (by commit
+    time), or None: ``step_dir``, ``run_root``, ``step``, ``model_only``, ``time``,
+    ``config_url``."""
+    line = storage.join(root, experiment)
+    refresh(line)
+    candidates = [
+        c for run in storage.list_dirs(line) for c in _complete_checkpoints(storage.join(line, run))
+    ]
+    return max(candidates, key=lambda c: (c["time"], c["step"])) if candidates else None
+
+
+@task(
+    name="find_latest_checkpoint",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_condition_fn=retry_transient,
+)
+def find_latest_checkpoint(root: str, experiment: str) -> dict[str, Any]:
+    """``latest_checkpoint`` as a task; ``CheckpointError`` when the model line has none."""
+    latest = latest_checkpoint(root, experiment)
+    if latest is None:
+        raise CheckpointError(
+            f"retrain: no complete checkpoint under {redact(storage.join(root, experiment))}; "
+            "run the pretrain pipeline for this experiment first"
+        )
+    run_logger().info("Newest checkpoint of %s: %s", experiment, redact(latest["step_dir"]))
+    return latest

@@ -1,0 +1,243 @@
+"""MLflow helpers: one experiment per ``job.experiment``, a parent run per pipeline run and a
+nested run per stage.
+
+Parent-run params are the flattened resolved config (secrets masked); tags carry the git commit,
+the Prefect flow-run id, the storage root, the world size and the device. Everything goes through
+an explicit ``MlflowClient`` (no global active run), so tasks on any thread or process can log to
+the runs they are handed. MLflow is imported lazily: importing it takes seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.common import mask_params, redact
+from tasks.storage import RunPaths, absolute
+from titan_core.checkpoint import storage
+from titan_core.config.job import JobConfig
+from titan_core.errors import TitanError
+
+PARENT_STAGE = "pipeline"
+STAGE_TAG = "titan.stage"
+_PARAM_BATCH = 100  # MLflow's limit of params per log_batch call
+_HEALTH_TIMEOUT_S = 5.0
+
+
+class TrackingError(TitanError):
+    """The tracking server cannot be reached or refused a request: one line naming the URI."""
+
+
+@dataclass(frozen=True)
+class TrackingContext:
+    """Where a pipeline run is tracked: the tracking URI, experiment and parent run."""
+
+    uri: str
+    experiment: str
+    experiment_id: str
+    parent_run_id: str
+
+
+def resolve_tracking_uri(cfg: JobConfig) -> str:
+    """``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else a SQLite file in the (local) storage
+    root (./outputs for URL roots)."""
+    if cfg.tracking.uri:
+        return cfg.tracking.uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    root = "./outputs" if storage.is_url(cfg.storage.root) else cfg.storage.root
+    return "sqlite:///" + os.path.join(absolute(root), "mlflow.db")
+
+
+def check_tracking(uri: str) -> None:
+    """``TrackingError`` unless the tracking backend at ``uri`` answers (or can be created)."""
+    if uri.startswith(("http://", "https://")):
+        import requests
+
+        try:
+            response = requests.get(uri.rstrip("/") + "/health", timeout=_HEALTH_TIMEOUT_S)
+        except requests.RequestException as e:
+            reason = type(e).__name__
+            raise TrackingError(
+                f"tracking.uri: no MLflow server answers at {uri} ({reason})"
+            ) from None
+        if response.status_code != 200:
+            raise TrackingError(
+                f"tracking.uri: {uri} answered HTTP {response.status_code} to /health; "
+                "is it an MLflow tracking server?"
+            )
+    elif uri.startswith("sqlite:///"):
+        folder = os.path.dirname(uri.removeprefix("sqlite:///")) or "."
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise TrackingError(f"tracking.uri: cannot create {folder}: {e.strerror}") from None
+
+
+def client(uri: str) -> Any:
+    """An ``MlflowClient`` for ``uri``."""
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _artifact_location(cfg: JobConfig, uri: str) -> str | None:
+    if cfg.tracking.artifact_location:
+        return cfg.tracking.artifact_location
+    if uri.startswith(("http://", "https://")):
+        return None  # the server's --artifacts-destination decides
+    return storage.join(absolute(cfg.storage.root), "mlflow-artifacts", cfg.job.experiment)
+
+
+def ensure_experiment(mlflow_client: Any, name: str, artifact_location: str | None) -> str:
+    """The id of experiment ``name``, created (with ``artifact_location``) when missing."""
+    found = mlflow_client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return mlflow_client.create_experiment(name, artifact_location=artifact_location)
+    except Exception:  # created concurrently by another run
+        found = mlflow_client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def git_commit() -> str:
+    """The commit of the project's checkout, read from ``.git`` (no git binary); or unknown."""
+    git = Path(__file__).resolve().parents[1] / ".git"
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head.removeprefix("ref: ")
+        if (git / ref).exists():
+            return (git / ref).read_text().strip()
+        for line in (git / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0]
+    except OSError:
+        pass
+    return "unknown"
+
+
+def device_name() -> str:
+    """``cuda:<name>`` when a GPU is visible, else ``cpu``."""
+    import torch
+
+    return f"cuda:{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "cpu"
+
+
+def run_tags(cfg: JobConfig, paths: RunPaths, flow_run_id: str) -> dict[str, str]:
+    """Tags of a pipeline's parent run."""
+    commit = git_commit()
+    return {
+        STAGE_TAG: PARENT_STAGE,
+        "mlflow.source.git.commit": commit,
+        "git_commit": commit,
+        "prefect.flow_run_id": flow_run_id,
+        "storage_root": redact(paths.run_root),
+        "world_size": str(cfg.launch.nnodes * cfg.launch.nproc_per_node),
+        "device": device_name(),
+        "titan.run_id": paths.run_id,
+        "model": f"{cfg.model.name}/{cfg.model.flavor}",
+    }
+
+
+def log_params(mlflow_client: Any, run_id: str, cfg: JobConfig) -> None:
+    """The flattened resolved config as params, secrets masked."""
+    from mlflow.entities import Param
+
+    from titan_core.config.manager import flatten
+
+    params = [Param(k, str(v)) for k, v in mask_params(flatten(cfg)).items()]
+    for i in range(0, len(params), _PARAM_BATCH):
+        mlflow_client.log_batch(run_id, params=params[i : i + _PARAM_BATCH])
+
+
+def start_pipeline_run(cfg: JobConfig, paths: RunPaths, flow_run_id: str) -> TrackingContext:
+    """Create (or reopen) the experiment and the parent run of this pipeline run."""
+    uri = resolve_tracking_uri(cfg)
+    check_tracking(uri)
+    try:
+        mlflow_client = client(uri)
+        experiment_id = ensure_experiment(
+            mlflow_client, cfg.job.experiment, _artifact_location(cfg, uri)
+        )
+        run = mlflow_client.create_run(
+            experiment_id, tags=run_tags(cfg, paths, flow_run_id), run_name=paths.run_id
+        )
+        log_params(mlflow_client, run.info.run_id, cfg)
+    except TitanError:
+        raise
+    except Exception as e:
+        raise TrackingError(f"tracking.uri: {uri}: {redact(_first_line(e))}") from None
+    return TrackingContext(uri, cfg.job.experiment, experiment_id, run.info.run_id)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def find_stage_run(ctx: TrackingContext, stage: str) -> str | None:
+    """The nested run of ``stage`` under the parent run, if one exists (e.g. on a retry)."""
+    runs = client(ctx.uri).search_runs(
+        [ctx.experiment_id],
+        filter_string=(
+            f"tags.mlflow.parentRunId = '{ctx.parent_run_id}' and tags.`{STAGE_TAG}` = '{stage}'"
+        ),
+        max_results=1,
+    )
+    return runs[0].info.run_id if runs else None
+
+
+@contextlib.contextmanager
+def stage_run(ctx: TrackingContext | None, stage: str, *, reuse: bool = False) -> Iterator[str]:
+    """A nested run for ``stage`` under the parent run; yields its id ("" when untracked).
+
+    ``reuse`` continues the stage's existing run (a retried task logs into the same run).
+    The run ends FINISHED, or FAILED when the block raises.
+    """
+    if ctx is None:
+        yield ""
+        return
+    mlflow_client = client(ctx.uri)
+    run_id = find_stage_run(ctx, stage) if reuse else None
+    if run_id is None:
+        tags = {"mlflow.parentRunId": ctx.parent_run_id, STAGE_TAG: stage}
+        run_id = mlflow_client.create_run(ctx.experiment_id, tags=tags, run_name=stage).info.run_id
+    else:
+        mlflow_client.update_run(run_id, status="RUNNING")
+    try:
+        yield run_id
+    except BaseException:
+        mlflow_client.set_terminated(run_id, status="FAILED")
+        raise
+    mlflow_client.set_terminated(run_id, status="FINISHED")
+
+
+def log_metrics(ctx: TrackingContext | None, run_id: str, metrics: dict[str, float]) -> None:
+    """Log ``metrics`` (numbers only) to ``run_id`` at step 0."""
+    if ctx is None or not run_id:
+        return
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    batch = [
+        Metric(k, float(v), now, 0)
+        for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    ]
+    client(ctx.uri).log_batch(run_id, metrics=batch)
+
+
+def end_pipeline_run(ctx: TrackingContext | None, status: str) -> None:
+    """Close the parent run as FINISHED, FAILED or KILLED."""
+    if ctx is not None:
+        client(ctx.uri).set_terminated(ctx.parent_run_id, status=status)

@@ -1,0 +1,113 @@
+"""``train``: launch torchrun through ``titan_core.launch`` and stream its log into Prefect.
+
+Rank 0 streams step metrics into the stage's MLflow run (the run id and tracking URI travel in
+the environment). A retry of the task relaunches the job, which resumes from the newest
+complete checkpoint (a step directory counts only with its commit marker), never from scratch.
+``upload_run_files`` then copies what the ranks wrote to a local side folder (metrics.jsonl,
+per-rank logs, traces, memory snapshots) into the run root when that is a URL.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.common import load_config, redact, retry_transient, run_logger
+from tasks.storage import refresh, upload_folder
+from tasks.tracking import TrackingContext, stage_run
+from titan_core.checkpoint import storage
+from titan_core.checkpoint.manager import complete_steps
+
+# Fault-injection hooks (see titan_core/checkpoint/manager.py) model a transient failure: they
+# apply to the first attempt only, so that a retry can show the recovery.
+FAULT_PREFIX = "TITAN_FAULT_"
+
+
+def _attempt() -> int:
+    from prefect.runtime import task_run
+
+    return max(int(task_run.run_count or 1), 1)
+
+
+def checkpoint_folder(dump_folder: str, folder: str) -> str:
+    """The run's checkpoint folder (``checkpoint.folder`` resolved against the dump folder)."""
+    return storage.resolve(dump_folder, folder)
+
+
+def _job_env(tracking: TrackingContext | None, mlflow_run_id: str) -> dict[str, str]:
+    from titan_core.components.mlflow_sink import RUN_ID_ENV, TRACKING_URI_ENV
+
+    if tracking is None or not mlflow_run_id:
+        return {}
+    return {RUN_ID_ENV: mlflow_run_id, TRACKING_URI_ENV: tracking.uri}
+
+
+@task(name="train", cache_policy=NO_CACHE, retry_condition_fn=retry_transient)
+def train(config_url: str, seed_url: str = "", tracking: TrackingContext | None = None) -> str:
+    """Train the run's config with torchrun; returns the final checkpoint's URL.
+
+    ``seed_url`` is loaded when the run has no checkpoint of its own yet.
+    """
+    from titan_core.build import local_side_folder
+    from titan_core.launch import LaunchSpec, get_launcher
+
+    cfg = load_config(config_url)
+    logger = run_logger()
+    attempt = _attempt()
+    folder = checkpoint_folder(cfg.job.dump_folder, cfg.checkpoint.folder)
+    refresh(folder)
+    done = complete_steps(folder)
+    start = f"step-{done[-1]}, the newest complete checkpoint" if done else "the seed checkpoint"
+    logger.info("Attempt %d: training to step %d from %s", attempt, cfg.training.steps, start)
+    args = ["--job.config_file", config_url]
+    if seed_url:
+        args += ["--checkpoint.initial_load_path", seed_url]
+    faults = tuple(k for k in os.environ if k.startswith(FAULT_PREFIX)) if attempt > 1 else ()
+    side = local_side_folder(cfg.job.dump_folder)
+    with stage_run(tracking, "train", reuse=True) as mlflow_run_id:
+        spec = LaunchSpec(
+            args=args,
+            launch=cfg.launch,
+            env=_job_env(tracking, mlflow_run_id),
+            env_unset=faults,
+            log_dir=os.path.join(side, "logs", f"attempt-{attempt}"),
+        )
+        launcher = get_launcher(cfg.launch)
+        logger.info("Launching: %s", redact(" ".join(launcher.command(spec))))
+        result = launcher.run(spec, on_line=lambda line: logger.info(redact(line)))
+    refresh(folder)  # the ranks wrote the checkpoints: drop this process's cached listings
+    done = complete_steps(folder)
+    if not done or done[-1] < cfg.training.steps:
+        raise RuntimeError(
+            f"training exited cleanly but the newest complete checkpoint in {redact(folder)} is "
+            f"{done[-1] if done else 'none'}, not step {cfg.training.steps}"
+        )
+    final = storage.join(folder, f"step-{done[-1]}")
+    logger.info("Training finished in %.1fs; final checkpoint %s", result.elapsed_s, redact(final))
+    return final
+
+
+@task(
+    name="upload_run_files",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=[1, 4],
+    retry_condition_fn=retry_transient,
+)
+def upload_run_files(config_url: str) -> list[str]:
+    """Upload the ranks' local side folder (metrics, logs, traces) into a URL run root."""
+    from titan_core.build import local_side_folder
+
+    cfg = load_config(config_url)
+    if not storage.is_url(cfg.job.dump_folder):
+        return []  # the ranks wrote straight into the run root
+    side = local_side_folder(cfg.job.dump_folder)
+    urls = upload_folder(
+        side, cfg.job.dump_folder, attempts=cfg.storage.retries, progress=cfg.storage.progress
+    )
+    run_logger().info("Uploaded %d run files to %s", len(urls), redact(cfg.job.dump_folder))
+    shutil.rmtree(side, ignore_errors=True)
+    return urls

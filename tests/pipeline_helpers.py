@@ -1,0 +1,173 @@
+"""Helpers for the pipeline tests: tiny configs, Prefect run inspection, a restartable S3 server."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from s3_server import (
+    _PORT_FLAGS,
+    S3Server,
+    _command,
+    _free_ports,
+    _write_identities,
+)
+
+# The tiny debug model for a handful of steps: seconds of CPU per step on gloo.
+TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
+
+
+def tiny_overrides(*, steps: int, nproc: int, interval: int = 2) -> list[str]:
+    """Overrides for a fast pipeline run of ``steps`` steps on ``nproc`` processes."""
+    return [
+        "--training.steps",
+        str(steps),
+        "--training.local_batch_size",
+        "2",
+        "--training.seq_len",
+        "32",
+        "--checkpoint.interval",
+        str(interval),
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.cpu_peak_tflops",
+        "1",
+        "--validation.no_enable",
+        "--launch.nproc_per_node",
+        str(nproc),
+        "--launch.retry_delay_seconds",
+        "0",
+        "--storage.no_progress",
+    ]
+
+
+def run_flow(flow_fn: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """Run a flow; returns (its final state, its flow-run id)."""
+    state = flow_fn(**kwargs, return_state=True)
+    return state, state.state_details.flow_run_id
+
+
+def task_runs(flow_run_id: Any) -> dict[str, list[Any]]:
+    """The task runs of a flow run, by task name (in start order)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    by_name: dict[str, list[Any]] = {}
+    for run in sorted(runs, key=lambda r: r.expected_start_time or r.created):
+        by_name.setdefault(run.name.rsplit("-", 1)[0], []).append(run)
+    return by_name
+
+
+def flow_logs(flow_run_id: Any) -> list[str]:
+    """Every log message of a flow run (its tasks' included)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    messages: list[str] = []
+    with get_client(sync_client=True) as client:
+        while True:
+            page = client.read_logs(
+                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                limit=200,
+                offset=len(messages),
+            )
+            messages += [log.message for log in page]
+            if len(page) < 200:
+                return messages
+
+
+def flow_run(flow_run_id: Any) -> Any:
+    """The flow run record (state, parameters)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id)
+
+
+def unique_prefix(name: str) -> str:
+    """A fresh key prefix, so tests sharing the session's bucket never collide."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class RestartableS3:
+    """A ``weed mini`` that can be stopped and started again on the same ports and data."""
+
+    workdir: Path
+    ports: dict[str, int]
+    server: S3Server
+
+    def start(self) -> None:
+        """(Re)start the server process and wait until it serves the bucket."""
+        import subprocess
+
+        log = self.workdir / "weed-restart.log"
+        with open(log, "ab") as out:
+            self.server.process = subprocess.Popen(
+                _command(self.workdir, self.ports, self.workdir / "identities.json"),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                # weed takes AWS_* credentials from its environment as an extra identity.
+                env={
+                    **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+                    "GOMEMLIMIT": "300MiB",
+                },
+                start_new_session=True,
+            )
+        self.server._stopped = False
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """Poll until the bucket can be listed (created on the first start)."""
+        deadline = time.monotonic() + 60
+        while True:
+            if self.server.process.poll() is not None:
+                raise RuntimeError(f"weed mini exited with {self.server.process.returncode}")
+            try:
+                fs = self.server.filesystem()
+                if not fs.exists(self.server.bucket):
+                    fs.mkdir(self.server.bucket)
+                fs.ls(self.server.bucket)
+                return
+            except Exception:  # not up yet: connection refused, 503 while volumes start
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Kill the server (its data stays on disk)."""
+        self.server.stop()
+
+
+def start_restartable_s3(workdir: Path, bucket: str = "restart-test") -> RestartableS3:
+    """A fresh S3 server whose ``stop()``/``start()`` keep its endpoint, credentials and data."""
+    import secrets
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    admin = ("titan_admin", secrets.token_hex(16))
+    _write_identities(workdir / "identities.json", admin, ("titan_reader", secrets.token_hex(16)))
+    ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
+    server = S3Server(
+        endpoint_url=f"http://127.0.0.1:{ports['s3.port']}",
+        access_key=admin[0],
+        secret_key=admin[1],
+        read_only_access_key="",
+        read_only_secret_key="",
+        bucket=bucket,
+        process=None,  # type: ignore[arg-type]
+        log_path=workdir / "weed-restart.log",
+    )
+    s3 = RestartableS3(workdir, ports, server)
+    s3.start()
+    return s3

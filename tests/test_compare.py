@@ -1,0 +1,106 @@
+"""`compare_runs` / `titan compare`: real MLflow runs (SQLite) → table, differing keys, PNG.
+
+The runs are logged the way the pipeline logs them: a parent run with the flattened resolved
+config as params, a nested train run whose per-step metrics come from the trainer's own
+``MetricsProcessor`` through the ``MlflowSink``, and a nested evaluate run.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from tracking_data import log_pipeline_run
+
+from tasks.compare import PLOT_NAME, compare_experiment
+from titan_core.cli import main as titan_main
+from titan_core.errors import ConfigError
+
+EXPERIMENT = "cmp-test"
+BASE = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
+# Two runs that differ in exactly these config keys.
+VARIANTS = {
+    "lr-high": ["--optimizer.lr", "1e-3", "--training.steps", "4"],
+    "lr-low": ["--optimizer.lr", "1e-4", "--training.steps", "6"],
+}
+
+
+@pytest.fixture(scope="module")
+def tracking(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """A SQLite tracking URI holding the two variant runs."""
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    client.create_experiment(EXPERIMENT, artifact_location=str(root / "artifacts"))
+    runs = {
+        name: log_pipeline_run(uri, EXPERIMENT, name, [*BASE, *overrides])
+        for name, overrides in VARIANTS.items()
+    }
+    return uri, runs
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_compare_table_differing_keys_and_plot(tracking: tuple[str, dict], tmp_path: Path) -> None:
+    uri, runs = tracking
+    result = compare_experiment(EXPERIMENT, tracking_uri=uri)
+    by_name = {row["run"]: row for row in result.runs}
+    assert sorted(by_name) == sorted(VARIANTS)
+    for name, (run_id, losses, ppl) in runs.items():
+        row = by_name[name]
+        assert row["run_id"] == run_id
+        assert row["steps"] == len(losses)
+        assert row["final_loss"] == pytest.approx(losses[-1])
+        assert row["eval_perplexity"] == pytest.approx(ppl)
+        assert row["tokens_per_s"] > 0 and row["mfu_pct"] > 0
+    # Exactly the keys the two configs differ in, with each run's value.
+    assert sorted(result.differing_params) == ["optimizer.lr", "training.steps"]
+    lr = result.differing_params["optimizer.lr"]
+    assert float(lr[runs["lr-high"][0]]) == 1e-3 and float(lr[runs["lr-low"][0]]) == 1e-4
+    assert "`optimizer.lr`" in result.markdown and "model.flavor" not in result.markdown
+
+    client = MlflowClient(uri)
+    record = client.get_run(result.compare_run_id)
+    assert record.data.tags["titan.stage"] == "compare" and record.info.status == "FINISHED"
+    assert sorted(a.path for a in client.list_artifacts(record.info.run_id)) == sorted(
+        ["comparison.json", "comparison.md", PLOT_NAME]
+    )
+    png = Path(client.download_artifacts(record.info.run_id, PLOT_NAME, str(tmp_path)))
+    width, height = _png_size(png.read_bytes())
+    assert width >= 400 and height >= 200
+    assert result.plot_uri.endswith(PLOT_NAME)
+
+    # The comparison run itself is never compared; chosen runs by name keep their order.
+    again = compare_experiment(EXPERIMENT, ["lr-low", runs["lr-high"][0]], tracking_uri=uri)
+    assert [r["run"] for r in again.runs] == ["lr-low", "lr-high"]
+    newest = compare_experiment(EXPERIMENT, tracking_uri=uri, max_runs=1)
+    assert [r["run"] for r in newest.runs] == ["lr-low"]
+
+
+def test_compare_bad_input_is_one_line(
+    tracking: tuple[str, dict], capsys: pytest.CaptureFixture[str], monkeypatch, tmp_path: Path
+) -> None:
+    uri, _ = tracking
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))  # `titan compare` sets it
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    with pytest.raises(ConfigError, match=r"^compare\.experiment: no MLflow experiment"):
+        compare_experiment("no-such-experiment", tracking_uri=uri)
+    with pytest.raises(ConfigError, match=r"^compare\.runs: no run nope"):
+        compare_experiment(EXPERIMENT, ["nope"], tracking_uri=uri)
+    with pytest.raises(ConfigError, match=r"^compare\.runs: no run train"):  # a stage's name
+        compare_experiment(EXPERIMENT, ["train"], tracking_uri=uri)
+    # A tracking server that does not answer: a one-line error before Prefect starts.
+    code = titan_main(
+        ["compare", "--experiment", EXPERIMENT, "--tracking-uri", "http://127.0.0.1:9"]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: tracking.uri: no MLflow server answers at")
+    assert len(err.splitlines()) == 1
+    code = titan_main(["compare", "--experiment", "missing", "--tracking-uri", uri])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: compare.experiment: no MLflow experiment")

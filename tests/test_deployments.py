@@ -1,0 +1,332 @@
+"""Deployments on a real Prefect server, a process worker, and MLflow as a tracking server.
+
+One stack per module: ``prefect server`` (own PREFECT_HOME), ``mlflow server`` (SQLite backend,
+artifacts proxied to the S3 test server), the deployments of ``deployments/prefect.yaml``
+registered by ``titan pipeline deploy`` and a process worker running their flow runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import re
+import subprocess
+import time
+import tomllib
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pipeline_helpers import tiny_overrides
+from pipeline_servers import (
+    BIN,
+    MlflowServer,
+    PrefectServer,
+    PrefectWorker,
+    start_mlflow_server,
+    start_prefect_server,
+)
+from tracking_data import log_pipeline_run
+
+from flows.deploy import DEFAULT_POOL
+from titan_core.checkpoint.manager import complete_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
+EXPERIMENT = "deploy-compare"
+BASE = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+
+@dataclass
+class Stack:
+    """The running services of this module."""
+
+    prefect: PrefectServer
+    mlflow: MlflowServer
+    worker: PrefectWorker
+    work: Path
+    s3: Any
+    store: str  # the deployed model line's storage root on S3
+
+
+def _start_servers(work: Path, s3_server: Any) -> tuple[PrefectServer, MlflowServer]:
+    """Both servers, started side by side (each takes seconds to boot); none left on failure."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(start_prefect_server, work / "prefect"),
+            pool.submit(
+                start_mlflow_server, work / "mlflow", s3_server.url("mlflow"), s3_server.env()
+            ),
+        ]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for future in futures:
+            if future.exception() is None:
+                future.result().stop()
+        raise errors[0]
+    return futures[0].result(), futures[1].result()
+
+
+def _deploy(prefect: PrefectServer, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``titan pipeline deploy`` from a folder outside the project."""
+    return subprocess.run(
+        [str(BIN / "titan"), "pipeline", "deploy"],
+        cwd=cwd,
+        env=prefect.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Iterator[Stack]:
+    """Servers up, deployments registered, one process worker polling the pool."""
+    work = tmp_path_factory.mktemp("deployments")
+    for sub in ("prefect", "mlflow", "runs"):
+        (work / sub).mkdir()
+    prefect, mlflow = _start_servers(work, s3_server)
+    worker = None
+    try:
+        deployed = _deploy(prefect, work)
+        assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+        # MLflow's HTTP retries back off for minutes by default: fail a broken test faster.
+        env = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+        # The worker's environment reaches its flow runs: S3 credentials for the storage root.
+        worker = prefect.start_worker(DEFAULT_POOL, work / "runs", env={**env, **s3_server.env()})
+        store = s3_server.url(f"deployed-{uuid.uuid4().hex[:8]}")
+        yield Stack(prefect, mlflow, worker, work, s3_server, store)
+    finally:
+        if worker is not None:
+            worker.stop()
+        prefect.stop()
+        mlflow.stop()
+
+
+@contextlib.contextmanager
+def api(server: PrefectServer) -> Iterator[Any]:
+    """A sync Prefect client of ``server`` in this process (settings restored afterwards)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with (
+        temporary_settings(updates={PREFECT_API_URL: server.api_url}),
+        get_client(sync_client=True) as client,
+    ):
+        yield client
+
+
+def _run_deployment(stack: Stack, name: str, params: dict[str, Any]) -> str:
+    """``prefect deployment run NAME --watch`` from the CLI; returns the completed run's id."""
+    args = ["deployment", "run", name, "--watch", "--watch-timeout", "600"]
+    for key, value in params.items():
+        args += ["--param", f"{key}={json.dumps(value)}"]
+    proc = stack.prefect.cli(*args, timeout=660, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:] + "\nworker:\n" + stack.worker.log()[-4000:]
+    match = re.search(r"UUID: ([0-9a-f-]{36})", out)
+    assert match, out[-2000:]
+    return match.group(1)
+
+
+def test_deploy_registers_every_deployment(stack: Stack) -> None:
+    spec = yaml.safe_load(PREFECT_FILE.read_text())
+    with api(stack.prefect) as client:
+        assert client.read_work_pool(DEFAULT_POOL).type == "process"
+        deployed = {d.name: d for d in client.read_deployments()}
+    assert sorted(deployed) == sorted(entry["name"] for entry in spec["deployments"])
+    for entry in spec["deployments"]:
+        dep = deployed[entry["name"]]
+        assert dep.work_pool_name == DEFAULT_POOL
+        assert dep.entrypoint == entry["entrypoint"]
+        # Flow runs start in the project root, where the entrypoints resolve.
+        assert dep.pull_steps == [
+            {"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}
+        ]
+        crons = sorted(s["cron"] for s in entry.get("schedules") or [])
+        assert sorted(s.schedule.cron for s in dep.schedules) == crons
+
+
+def test_compare_deployment_with_tracking_server(stack: Stack, s3_server: Any) -> None:
+    uri = stack.mlflow.uri
+    variants = {"lr-high": ["--optimizer.lr", "1e-3"], "lr-low": ["--optimizer.lr", "1e-4"]}
+    runs = {
+        name: log_pipeline_run(uri, EXPERIMENT, name, [*BASE, "--training.steps", "3", *args])
+        for name, args in variants.items()
+    }
+    flow_run_id = _run_deployment(
+        stack, "compare/compare", {"experiment": EXPERIMENT, "tracking_uri": uri}
+    )
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with api(stack.prefect) as client:
+        assert client.read_flow_run(flow_run_id).state.is_completed()
+        flow_runs = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        artifacts = {a.type: a for a in client.read_artifacts(flow_run_filter=flow_runs)}
+    assert {"table", "markdown", "image"} <= set(artifacts)
+    table = json.loads(artifacts["table"].data)
+    assert sorted(row["run_id"] for row in table) == sorted(r[0] for r in runs.values())
+    assert "`optimizer.lr`" in artifacts["markdown"].data
+    # The plot went through the tracking server into S3, and its link serves the PNG.
+    with urllib.request.urlopen(artifacts["image"].data, timeout=30) as resp:
+        assert resp.read()[:8] == b"\x89PNG\r\n\x1a\n"
+    stored = s3_server.filesystem().find(s3_server.url("mlflow"))
+    assert any(path.endswith("/loss_curves.png") for path in stored), stored
+
+
+def test_titan_compare_cli_uses_the_server(stack: Stack) -> None:
+    cmd = [str(BIN / "titan"), "compare", "--experiment", EXPERIMENT, "--json"]
+    cmd += ["--tracking-uri", stack.mlflow.uri, "--runs", "lr-low", "lr-high"]
+    proc = subprocess.run(
+        cmd, env=stack.prefect.env, capture_output=True, text=True, timeout=300, cwd=stack.work
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert [r["run"] for r in result["runs"]] == ["lr-low", "lr-high"]
+    assert list(result["differing_params"]) == ["optimizer.lr"]
+
+
+# ------------------------------------------------ the pipeline and a scheduled retrain of its line
+
+LINE = "deployline"
+STEPS = 2
+
+
+def _line_params(stack: Stack) -> dict[str, Any]:
+    """Where the deployed model line lives: S3 storage, MLflow on the tracking server."""
+    return {
+        "storage_root": stack.store,
+        "tracking_uri": stack.mlflow.uri,
+        "eval_batches": 2,
+    }
+
+
+def _runs_of(stack: Stack, deployment: str) -> list[Any]:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with api(stack.prefect) as client:
+        dep = client.read_deployment_by_name(deployment)
+        return client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id]))
+        )
+
+
+@pytest.fixture(scope="module")
+def pretrained(stack: Stack) -> dict[str, Any]:
+    """The pipeline deployment, triggered from the CLI: a 2-step run of the tiny model."""
+    overrides = [*tiny_overrides(steps=STEPS, nproc=1), "--job.experiment", LINE]
+    params = {"config": "llama3_debugmodel_tiny", "overrides": overrides, **_line_params(stack)}
+    flow_run_id = _run_deployment(stack, "pretrain_pipeline/pretrain", params)
+    (run_root,) = _line_runs(stack)
+    return {"flow_run_id": flow_run_id, "run_root": run_root}
+
+
+def _line_runs(stack: Stack) -> list[str]:
+    """URLs of the model line's run roots on S3."""
+    fs = stack.s3.filesystem()
+    return sorted("s3://" + p for p in fs.ls(f"{stack.store}/{LINE}".removeprefix("s3://")))
+
+
+def _newest_step(stack: Stack, run_root: str) -> int:
+    """The newest complete checkpoint step of a run, read through the project's storage seam."""
+    with pytest.MonkeyPatch.context() as mp:
+        stack.s3.set_env(mp)
+        return complete_steps(f"{run_root}/checkpoint")[-1]
+
+
+def test_pipeline_deployment_runs_to_completion(stack: Stack, pretrained: dict) -> None:
+    from mlflow import MlflowClient
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with api(stack.prefect) as client:
+        assert client.read_flow_run(pretrained["flow_run_id"]).state.is_completed()
+        flow_runs = FlowRunFilter(id=FlowRunFilterId(any_=[pretrained["flow_run_id"]]))
+        tasks = client.read_task_runs(flow_run_filter=flow_runs)
+    names = {t.name.rsplit("-", 1)[0] for t in tasks}
+    assert {"train", "convert_to_hf", "evaluate", "publish"} <= names
+    assert all(t.state.is_completed() for t in tasks), [(t.name, t.state.name) for t in tasks]
+    assert _newest_step(stack, pretrained["run_root"]) == STEPS
+    # Tracked on the server: a finished parent run and a registered model version.
+    mlflow = MlflowClient(stack.mlflow.uri)
+    exp = mlflow.get_experiment_by_name(LINE)
+    parents = mlflow.search_runs([exp.experiment_id], "tags.`titan.stage` = 'pipeline'")
+    assert [r.info.status for r in parents] == ["FINISHED"]
+    assert mlflow.search_model_versions(f"name = '{LINE}'")
+
+
+@pytest.fixture(scope="module")
+def retrained(stack: Stack, pretrained: dict) -> Any:
+    """A short interval schedule on the retrain deployment fires once and completes."""
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.schedules import IntervalSchedule
+
+    params = {"steps": STEPS, "experiment": LINE, **_line_params(stack)}
+    now = datetime.datetime.now(datetime.UTC)
+    schedule = IntervalSchedule(interval=datetime.timedelta(seconds=60), anchor_date=now)
+    with api(stack.prefect) as client:
+        dep = client.read_deployment_by_name("retrain/nightly")
+        (created,) = client.create_deployment_schedules(
+            dep.id, [DeploymentScheduleCreate(schedule=schedule, active=True, parameters=params)]
+        )
+    started = lambda r: r.state.is_running() or r.state.is_final()  # noqa: E731
+    run = _wait_for_run(stack, "retrain/nightly", started, 300)
+    with api(stack.prefect) as client:  # fire once: no second interval while this one runs
+        client.update_deployment_schedule(dep.id, created.id, active=False)
+    return _wait_for_run(stack, "retrain/nightly", lambda r: r.state.is_final(), 600, run.id)
+
+
+def _wait_for_run(
+    stack: Stack, deployment: str, done: Any, timeout_s: float, run_id: Any = None
+) -> Any:
+    """Poll the deployment's flow runs until one (or ``run_id``) satisfies ``done``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        runs = [r for r in _runs_of(stack, deployment) if run_id in (None, r.id)]
+        for run in runs:
+            if done(run):
+                return run
+        time.sleep(1)
+    raise AssertionError(
+        f"no {deployment} run reached the expected state in {timeout_s}s: "
+        f"{[(r.name, r.state.name) for r in runs]}\nworker:\n{stack.worker.log()[-4000:]}"
+    )
+
+
+def test_retrain_schedule_fires_and_continues_the_line(
+    stack: Stack, pretrained: dict, retrained: Any
+) -> None:
+    assert retrained.state.is_completed(), stack.worker.log()[-4000:]
+    assert retrained.auto_scheduled and retrained.parameters["experiment"] == LINE
+    # It fired once, then its schedule was paused (the nightly cron's runs wait for 03:00).
+    started = [r for r in _runs_of(stack, "retrain/nightly") if not r.state.is_scheduled()]
+    assert [r.id for r in started] == [retrained.id]
+    (new_root,) = [p for p in _line_runs(stack) if p != pretrained["run_root"]]
+    # Continued from the pipeline's newest checkpoint: STEPS more steps on top of it.
+    assert _newest_step(stack, new_root) == 2 * STEPS
+    config = tomllib.loads(stack.s3.filesystem().cat(f"{new_root}/config.toml").decode())
+    step_dir = f"{pretrained['run_root']}/checkpoint/step-{STEPS}"
+    assert config["checkpoint"]["initial_load_path"] == step_dir
+
+
+def test_compare_deployment_on_the_line(stack: Stack, pretrained: dict, retrained: Any) -> None:
+    params = {"experiment": LINE, "tracking_uri": stack.mlflow.uri}
+    flow_run_id = _run_deployment(stack, "compare/compare", params)
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with api(stack.prefect) as client:
+        flow_runs = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        (table,) = [
+            a for a in client.read_artifacts(flow_run_filter=flow_runs) if a.type == "table"
+        ]
+    rows = json.loads(table.data)
+    assert len(rows) == 2 and all(r["final_loss"] and r["eval_perplexity"] for r in rows)
+    assert [r["steps"] for r in rows] == [STEPS, 2 * STEPS]

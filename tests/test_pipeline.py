@@ -1,0 +1,358 @@
+"""The Prefect pipeline end to end, against real services: a Prefect API (test harness), MLflow on
+SQLite, a real S3 server with enforced credentials (SeaweedFS) and a hub endpoint with a token.
+
+One model line on S3 is trained three times and inspected by most tests:
+  1. ``first_run``: pretrain_pipeline, 2 processes, tokenizer from ``hf://`` behind a token;
+  2. ``second_run``: the same config again: cached tokenizer and seed, and training killed
+     (SIGKILL) mid-save on its first attempt, so the retry must resume;
+  3. ``retrained``: the retrain flow continuing the line.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pipeline_helpers import (
+    TINY,
+    flow_logs,
+    flow_run,
+    run_flow,
+    task_runs,
+    tiny_overrides,
+    unique_prefix,
+)
+
+from titan_core.checkpoint.manager import FAULT_ENV, complete_steps
+from titan_core.config.manager import flatten
+
+EXPERIMENT = "s3line"
+HF_REPO, HF_FILE = "titan-org/tiny-bpe", "tokenizer/titan_bpe.tiktoken"
+STAGES = [
+    "start_tracking",
+    "prepare_storage",
+    "download_tokenizer",
+    "preflight",
+    "create_seed_checkpoint",
+    "train",
+    "upload_run_files",
+    "convert_to_hf",
+    "evaluate",
+    "publish",
+]
+pytestmark = pytest.mark.multiprocess
+
+
+# ------------------------------------------------------------------ the shared model line
+
+
+@pytest.fixture(scope="module")
+def hub(assets: Path) -> Iterator[Any]:
+    """A hub endpoint serving the bundled tokenizer from a private repo (token required)."""
+    from hf_hub_server import start_hf_hub
+
+    from titan_core.data import default_tokenizer_path
+
+    files = {HF_FILE: default_tokenizer_path().read_bytes()}
+    server = start_hf_hub(HF_REPO, files, token="hf_" + secrets.token_hex(16))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def line(s3_server: Any, hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """Storage root on S3, MLflow on SQLite, and the S3 + hub credentials in the environment."""
+    with pytest.MonkeyPatch.context() as mp:
+        s3_server.set_env(mp)
+        mp.setenv("HF_ENDPOINT", hub.endpoint)
+        mp.setenv("HF_TOKEN", hub.token)
+        mp.setenv("MLFLOW_S3_ENDPOINT_URL", s3_server.endpoint_url)
+        db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+        yield {"storage": s3_server.url(unique_prefix("line")), "tracking": f"sqlite:///{db}"}
+
+
+def _line_overrides(steps: int, nproc: int) -> list[str]:
+    return [
+        *tiny_overrides(steps=steps, nproc=nproc),
+        "--tokenizer.path",
+        f"hf://{HF_REPO}@main/{HF_FILE}",
+        "--job.experiment",
+        EXPERIMENT,
+    ]
+
+
+def _pretrain(line: dict, steps: int, nproc: int) -> tuple[Any, Any]:
+    from flows.pipeline import pretrain_pipeline
+
+    return run_flow(
+        pretrain_pipeline,
+        module="llama3",
+        config="llama3_debugmodel_tiny",
+        overrides=_line_overrides(steps, nproc),
+        storage_root=line["storage"],
+        tracking_uri=line["tracking"],
+        eval_batches=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def first_run(prefect_harness: Path, line: dict) -> dict:
+    """pretrain_pipeline on S3: 4 steps on 2 processes."""
+    state, flow_run_id = _pretrain(line, steps=4, nproc=2)
+    assert state.is_completed(), state.message
+    return {"result": state.result(), "flow_run_id": flow_run_id}
+
+
+@pytest.fixture(scope="module")
+def second_run(first_run: dict, line: dict) -> dict:
+    """The same config for 6 steps on 1 process; attempt 1 is SIGKILLed before committing step 4."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAULT_ENV, "4")
+        state, flow_run_id = _pretrain(line, steps=6, nproc=1)
+    assert state.is_completed(), state.message
+    return {"result": state.result(), "flow_run_id": flow_run_id}
+
+
+def _client(line: dict) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=line["tracking"])
+
+
+# ------------------------------------------------------------------ first run: the whole DAG
+
+
+def test_every_artifact_lands_in_s3(first_run: dict, s3_server: Any) -> None:
+    result = first_run["result"]
+    root = result["run_root"]
+    assert root.startswith(f"s3://{s3_server.bucket}/") and f"/{EXPERIMENT}/" in root
+    fs = s3_server.filesystem()
+    files = {p.removeprefix(root.removeprefix("s3://") + "/") for p in fs.find(root)}
+    expected = {
+        "config.toml",
+        "tokenizer/titan_bpe.tiktoken",
+        "checkpoint/seed/.titan_complete",
+        "checkpoint/seed/.metadata",
+        "checkpoint/step-2/.titan_complete",
+        "checkpoint/step-4/.titan_complete",
+        "hf/config.json",
+        "hf/model.safetensors.index.json",
+        "hf/tokenizer.json",
+        "eval/report.json",
+        "eval/report.md",
+        "metrics.jsonl",
+    }
+    assert expected <= files, sorted(expected - files)
+    assert any(f.startswith("hf/model-") and f.endswith(".safetensors") for f in files)
+    assert any(f.startswith("logs/attempt-1/") for f in files)  # per-rank logs, uploaded
+    assert complete_steps(root + "/checkpoint") == [2, 4]
+    assert result["checkpoint"] == root + "/checkpoint/step-4"
+    # The run trains with the stored tokenizer, downloaded from the hub with the token.
+    config = fs.cat(root.removeprefix("s3://") + "/config.toml").decode()
+    assert f'path = "{root}/tokenizer/titan_bpe.tiktoken"' in config
+    jsonl = fs.cat(root.removeprefix("s3://") + "/metrics.jsonl").decode()
+    rows = [json.loads(line) for line in jsonl.splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    report = json.loads(fs.cat(root.removeprefix("s3://") + "/eval/report.json"))
+    assert report["step"] == 4 and report["metrics"]["loss"] == result["metrics"]["eval/loss"]
+
+
+def test_mlflow_parent_and_stage_runs(first_run: dict, line: dict) -> None:
+    from flows.config import resolve_job
+
+    client = _client(line)
+    parent = client.get_run(first_run["result"]["mlflow_run_id"])
+    assert (
+        parent.info.status == "FINISHED" and parent.info.run_name == first_run["result"]["run_id"]
+    )
+    cfg = resolve_job(*TINY[1::2], overrides=_line_overrides(4, 2), storage=line["storage"])
+    params = parent.data.params
+    assert set(params) == set(flatten(cfg)) and params["training.steps"] == "4"
+    assert params["launch.nproc_per_node"] == "2"
+    tags = parent.data.tags
+    assert tags["prefect.flow_run_id"] == str(first_run["flow_run_id"])
+    assert tags["storage_root"] == first_run["result"]["run_root"]
+    assert tags["world_size"] == "2" and tags["device"] == "cpu"
+    assert len(tags["git_commit"]) == 40 or tags["git_commit"] == "unknown"
+    children = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
+    )
+    stages = {run.data.tags["titan.stage"]: run for run in children}
+    assert set(stages) == {"train", "convert", "evaluate"}
+    assert all(run.info.status == "FINISHED" for run in children)
+    # Step metrics streamed by rank 0 while training, equal to the run's metrics.jsonl.
+    history = client.get_metric_history(stages["train"].info.run_id, "loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    assert history[-1].value == pytest.approx(first_run["result"]["metrics"]["train/loss"])
+    assert {"tps", "mfu_pct", "grad_norm", "lr"} <= set(stages["train"].data.metrics)
+    assert stages["evaluate"].data.metrics["eval/loss"] == pytest.approx(
+        first_run["result"]["metrics"]["eval/loss"]
+    )
+    assert parent.data.metrics["eval/perplexity"] > 1
+
+
+def test_registered_model_version_loads_in_transformers(
+    first_run: dict, line: dict, tmp_path: Path
+) -> None:
+    import mlflow
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = first_run["result"]
+    assert result["model_name"] == EXPERIMENT and result["model_version"] == "1"
+    client = _client(line)
+    version = client.get_model_version(EXPERIMENT, "1")
+    assert version.source == result["hf"] and version.run_id == result["mlflow_run_id"]
+    assert str(client.get_model_version_by_alias(EXPERIMENT, "champion").version) == "1"
+    # Resolved through the registry (no global tracking URI: other tests share this process).
+    source = client.get_model_version_download_uri(EXPERIMENT, "1")
+    local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(local)
+    tokenizer = AutoTokenizer.from_pretrained(local)
+    ids = tokenizer("The quick brown fox", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits  # (1, seq, vocab)
+    assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+def test_prefect_flow_and_every_task_completed(first_run: dict) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    assert flow_run(first_run["flow_run_id"]).state.is_completed()
+    runs = task_runs(first_run["flow_run_id"])
+    assert list(runs) == STAGES
+    assert all(r.state.is_completed() for rs in runs.values() for r in rs)
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[first_run["flow_run_id"]])
+            )
+        )
+    assert {"run-summary", "run-metrics", "run-root", "hf-export"} <= {a.key for a in artifacts}
+
+
+def test_convert_and_evaluate_flows_on_a_stored_checkpoint(first_run: dict, tmp_path: Path) -> None:
+    from flows.convert import convert
+    from flows.evaluate import evaluate
+
+    step2 = first_run["result"]["run_root"] + "/checkpoint/step-2"
+    hf = convert(checkpoint=step2, output=str(tmp_path / "hf"), dtype="float32")
+    config = json.loads((Path(hf) / "config.json").read_text())
+    assert hf == str(tmp_path / "hf") and config["torch_dtype"] == "float32"
+    assert (Path(hf) / "model.safetensors.index.json").exists()
+    report = evaluate(checkpoint=step2, output=str(tmp_path / "eval"), max_batches=2)
+    assert report["step"] == 2 and report["checkpoint"] == step2
+    saved = json.loads((tmp_path / "eval" / "eval" / "report.json").read_text())
+    assert saved["metrics"]["loss"] == report["metrics"]["loss"]
+
+
+# ------------------------------------------------------------------ second run: cache and faults
+
+
+def test_second_run_reuses_cached_tokenizer_and_seed(first_run: dict, second_run: dict) -> None:
+    runs = task_runs(second_run["flow_run_id"])
+    for name in ("download_tokenizer", "create_seed_checkpoint"):
+        (run,) = runs[name]
+        assert run.state.name == "Cached", (name, run.state)
+        assert run.total_run_time.total_seconds() < 1.0
+    first, second = first_run["result"], second_run["result"]
+    assert second["tokenizer"] == first["tokenizer"] and second["seed"] == first["seed"]
+    logs = "\n".join(flow_logs(second_run["flow_run_id"]))
+    assert f"from initial_load_path {first['seed']}" in logs  # the first run's seed, by reference
+
+
+def test_killed_training_resumes_from_newest_complete_checkpoint(
+    second_run: dict, line: dict
+) -> None:
+    (train,) = task_runs(second_run["flow_run_id"])["train"]
+    assert train.run_count == 2 and train.state.is_completed()
+    logs = flow_logs(second_run["flow_run_id"])
+    text = "\n".join(logs)
+    assert "Attempt 1: training to step 6 from the seed checkpoint" in text
+    assert "rank 0 was killed by SIGKILL" in text
+    # step-4 was fully written but never committed: the retry must not take it for complete.
+    assert "Attempt 2: training to step 6 from step-2, the newest complete checkpoint" in text
+    root = second_run["result"]["run_root"]
+    loaded = [m for m in logs if "INFO Loaded" in m]
+    assert loaded and f"from {root}/checkpoint/step-2 (step 2)" in loaded[-1]
+    assert complete_steps(root + "/checkpoint") == [2, 4, 6]
+    assert second_run["result"]["checkpoint"] == root + "/checkpoint/step-6"
+    client = _client(line)
+    train_run = client.search_runs(
+        [client.get_experiment_by_name(EXPERIMENT).experiment_id],
+        filter_string=(
+            f"tags.mlflow.parentRunId = '{second_run['result']['mlflow_run_id']}' "
+            "and tags.`titan.stage` = 'train'"
+        ),
+    )
+    assert len(train_run) == 1  # the retry logged into the same stage run
+    steps = {m.step for m in client.get_metric_history(train_run[0].info.run_id, "loss")}
+    # Every step of the attempt that finished (what the killed one had not sent yet is lost).
+    assert {3, 4, 5, 6} <= steps <= {1, 2, 3, 4, 5, 6}
+
+
+def test_secrets_never_reach_logs_params_artifacts_or_configs(
+    first_run: dict, second_run: dict, line: dict, s3_server: Any, hub: Any, tmp_path: Path
+) -> None:
+    assert any(authorized for _, _, authorized in hub.requests)  # the token was really used
+    needles = [s3_server.secret_key.encode(), hub.token.encode()]
+    haystacks: dict[str, bytes] = {}
+    for run in (first_run, second_run):
+        fid = run["flow_run_id"]
+        haystacks[f"prefect logs {fid}"] = "\n".join(flow_logs(fid)).encode()
+        haystacks[f"prefect params {fid}"] = json.dumps(flow_run(fid).parameters).encode()
+    client = _client(line)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    for run in client.search_runs([experiment.experiment_id]):
+        rid = run.info.run_id
+        haystacks[f"mlflow params/tags {rid}"] = json.dumps(
+            [run.data.params, run.data.tags]
+        ).encode()
+        local = Path(client.download_artifacts(rid, "", str(tmp_path / rid)))
+        for path in local.rglob("*"):
+            if path.is_file():
+                haystacks[f"mlflow artifact {path}"] = path.read_bytes()
+    fs = s3_server.filesystem()
+    prefix = line["storage"].removeprefix("s3://")
+    for key in fs.find(prefix):
+        if not key.endswith((".safetensors", ".distcp")):  # weights cannot hold a string
+            haystacks[f"s3 {key}"] = fs.cat(key)
+    assert any(k.endswith("config.toml") for k in haystacks)
+    assert sum(k.startswith("mlflow artifact") for k in haystacks) >= 4
+    leaks = [name for name, data in haystacks.items() for n in needles if n in data]
+    assert not leaks
+
+
+def test_retrain_continues_line_and_moves_champion_only_if_better(
+    second_run: dict, line: dict
+) -> None:
+    from flows.retrain import retrain
+
+    client = _client(line)
+    before = client.get_model_version_by_alias(EXPERIMENT, "champion")
+    state, _ = run_flow(
+        retrain,
+        steps=2,
+        experiment=EXPERIMENT,
+        overrides=["--launch.nproc_per_node", "1", "--launch.retry_delay_seconds", "0"],
+        storage_root=line["storage"],
+        tracking_uri=line["tracking"],
+        eval_batches=2,
+    )
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["continued_from"] == second_run["result"]["checkpoint"]
+    assert result["checkpoint"].endswith("/checkpoint/step-8")  # 6 + 2 steps
+    new_loss = result["metrics"]["eval/loss"]
+    old_loss = float(before.tags["eval_loss"])
+    after = client.get_model_version_by_alias(EXPERIMENT, "champion")
+    assert result["champion"] == (new_loss < old_loss)
+    expected = result["model_version"] if result["champion"] else before.version
+    assert str(after.version) == str(expected)
