@@ -53,6 +53,24 @@ def register_version(
     return str(version.version)
 
 
+def registrable_source(tracking: TrackingContext, hf_url: str) -> str:
+    """The model-version source for the export at ``hf_url``.
+
+    A URL (``s3://…``) or a local path with a local tracking store registers as it is. A tracking
+    server only accepts sources inside the run's artifact store, and a local folder would not be
+    reachable from other machines anyway: the export is uploaded as the parent run's ``hf``
+    artifacts and registered from there.
+    """
+    if storage.is_url(hf_url):
+        return hf_url
+    if not tracking.uri.startswith(("http://", "https://")):
+        return absolute(hf_url)
+    mlflow_client = client(tracking.uri)
+    mlflow_client.log_artifacts(tracking.parent_run_id, absolute(hf_url), "hf")
+    artifact_uri = mlflow_client.get_run(tracking.parent_run_id).info.artifact_uri
+    return artifact_uri.rstrip("/") + "/hf"
+
+
 def champion_loss(tracking: TrackingContext, name: str) -> float | None:
     """The eval loss recorded on the current champion version, or None without a champion."""
     mlflow_client = client(tracking.uri)
@@ -152,7 +170,7 @@ def publish(
         version = register_version(
             tracking,
             name,
-            hf_url if storage.is_url(hf_url) else absolute(hf_url),
+            registrable_source(tracking, hf_url),
             {
                 EVAL_LOSS_TAG: repr(eval_loss),
                 "run_root": redact(run_root),

@@ -195,6 +195,33 @@ def test_titan_compare_cli_uses_the_server(stack: Stack) -> None:
     assert list(result["differing_params"]) == ["optimizer.lr"]
 
 
+def test_local_export_registers_on_a_tracking_server(stack: Stack, tmp_path: Path) -> None:
+    """A tracking server refuses sources outside the run's artifacts: a local export is uploaded
+    to them and registered from there, and the version's files download intact."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.publish import register_version, registrable_source
+    from tasks.tracking import TrackingContext
+
+    export = tmp_path / "hf"
+    export.mkdir()
+    (export / "config.json").write_text('{"model_type": "llama"}')
+    mlflow_client = MlflowClient(tracking_uri=stack.mlflow.uri)
+    experiment_id = mlflow_client.create_experiment("local-export")
+    run = mlflow_client.create_run(experiment_id)
+    tracking = TrackingContext(stack.mlflow.uri, "local-export", experiment_id, run.info.run_id)
+    version = register_version(
+        tracking, "local-export", registrable_source(tracking, str(export)), {}
+    )
+    source = mlflow_client.get_model_version("local-export", version).source
+    assert source.endswith("/hf") and not source.startswith(str(tmp_path))
+    from mlflow.artifacts import download_artifacts
+
+    dst = str(tmp_path / "dl")
+    got = Path(download_artifacts(source, dst_path=dst, tracking_uri=stack.mlflow.uri))
+    assert (got / "config.json").read_text() == '{"model_type": "llama"}'
+
+
 # ------------------------------------------------ the pipeline and a scheduled retrain of its line
 
 LINE = "deployline"
