@@ -14,7 +14,11 @@ import shutil
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from tasks.parity import common_args as parity_args
 
 # Tiny Llama: dim 64, 4 heads / 2 kv heads, 4 layers (enough for 2 ranks x 2 virtual stages).
 MODEL = ["--module", "llama3", "--config", "llama3_debugmodel_tiny", "--model.n_layers", "4"]
@@ -24,26 +28,9 @@ SEQ_LEN = 32
 
 
 def common_args(dump: Path, steps: int) -> list[str]:
-    """Config shared by every parity run (fp32, deterministic, no saves, no validation)."""
-    return [
-        *MODEL,
-        "--job.dump_folder",
-        str(dump),
-        "--training.steps",
-        str(steps),
-        "--training.seq_len",
-        str(SEQ_LEN),
-        "--training.data_streams",
-        str(STREAMS),
-        "--metrics.log_freq",
-        "1",
-        "--metrics.cpu_peak_tflops",
-        "1",
-        "--debug.deterministic",
-        "--validation.no_enable",
-        "--checkpoint.enable",
-        "--checkpoint.load_only",
-    ]
+    """Config shared by every parity run (fp32, deterministic, no saves, no validation): the
+    ``parallelism_parity`` flow's own overrides, on the tiny model."""
+    return [*MODEL, "--job.dump_folder", str(dump), *parity_args(steps, SEQ_LEN, STREAMS)]
 
 
 def free_port() -> int:
@@ -74,7 +61,16 @@ def make_seed_checkpoint(dump: Path) -> Path:
     return seed
 
 
-def run_layout(
+@dataclass
+class LayoutRun:
+    """What one layout's run logged: per-step training and validation losses, and its output."""
+
+    losses: dict[int, float]
+    validation: dict[int, float]
+    output: str
+
+
+def train_layout(
     dump: Path,
     seed: Path,
     *,
@@ -85,11 +81,11 @@ def run_layout(
     nnodes: int = 1,
     timeout: int = 600,
     start: int = 1,
-) -> dict[int, float]:
+) -> LayoutRun:
     """Train ``steps`` steps from ``seed`` on ``nproc`` processes (torchrun when > 1; ``nnodes``
     torchrun agents on loopback sharing them) with ``dp`` data-parallel ranks and the ``extra``
-    overrides; returns {step: loss} (steps ``start``..``steps``: a run resuming from a step
-    checkpoint under ``dump`` logs only the steps after it)."""
+    overrides. Steps ``start``..``steps`` must be logged (a run resuming from a step checkpoint
+    under ``dump`` logs only the steps after it)."""
     shutil.copytree(seed, dump / "checkpoint" / "seed")
     args = [*common_args(dump, steps), "--training.local_batch_size", str(GLOBAL_BATCH // dp)]
     args += list(extra)
@@ -97,43 +93,36 @@ def run_layout(
         cmds = [[sys.executable, "-m", "titan_core.train", *args]]
     else:
         endpoint = f"127.0.0.1:{free_port()}" if nnodes > 1 else "localhost:0"
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}"]
+        launcher += [f"--nproc_per_node={nproc // nnodes}", "--rdzv_backend=c10d"]
+        launcher += [f"--rdzv_endpoint={endpoint}"]
         cmds = [
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nnodes={nnodes}",
-                f"--node_rank={node}",
-                f"--nproc_per_node={nproc // nnodes}",
-                "--rdzv_backend=c10d",
-                f"--rdzv_endpoint={endpoint}",
-                "-m",
-                "titan_core.train",
-                *args,
-            ]
+            [*launcher, f"--node_rank={node}", "-m", "titan_core.train", *args]
             for node in range(nnodes)
         ]
-    procs = [
-        subprocess.Popen(
-            cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for cmd in cmds
-    ]
-    outputs, codes = [], []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        codes.append(p.returncode)
-    out = "\n".join(o[-4000:] for o in outputs)
-    assert codes == [0] * len(procs), out
+    # Output to files, not pipes: agents wait on each other, so a full pipe could deadlock.
+    logs = [dump / f"agent{i}.log" for i in range(len(cmds))]
+    procs = []
+    for cmd, log in zip(cmds, logs, strict=True):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    out = "\n".join(log.read_text() for log in logs)
+    assert codes == [0] * len(procs), out[-8000:]
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     losses = {int(r["step"]): r["loss"] for r in rows if "loss" in r}
-    assert sorted(losses) == list(range(start, steps + 1)), out
-    return losses
+    validation = {int(r["step"]): r["validation/loss"] for r in rows if "validation/loss" in r}
+    assert sorted(losses) == list(range(start, steps + 1)), out[-8000:]
+    return LayoutRun(losses, validation, out)
+
+
+def run_layout(dump: Path, seed: Path, **kwargs: Any) -> dict[int, float]:
+    """``train_layout``'s per-step training losses."""
+    return train_layout(dump, seed, **kwargs).losses
 
 
 def assert_parity(

@@ -7,11 +7,7 @@ only the order of reductions differs from the single-process run).
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from parallel_harness import GLOBAL_BATCH, MODEL, SEQ_LEN, assert_parity, common_args, free_port
+from parallel_harness import MODEL, SEQ_LEN, assert_parity, free_port, train_layout
 
 REL = 1e-5
 CP = ["--parallelism.context_parallel_degree", "2"]
@@ -124,24 +120,9 @@ def test_fsdp_shards_over_dp_shard_and_cp(
 def _run(
     dump: Path, seed: Path, *, nproc: int, dp: int, extra: list[str], steps: int
 ) -> tuple[dict[int, float], dict[int, float], str]:
-    """Train like ``parallel_harness.run_layout``; returns (losses, validation losses, log)."""
-    shutil.copytree(seed, dump / "checkpoint" / "seed")
-    args = [*common_args(dump, steps), "--training.local_batch_size", str(GLOBAL_BATCH // dp)]
-    launcher = [sys.executable, "-m", "titan_core.train"]
-    if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-        launcher += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "-m", "titan_core.train"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "AUTO,STRICT"}
-    proc = subprocess.run(
-        [*launcher, *args, *extra], env=env, capture_output=True, text=True, timeout=600
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
-    val = {r["step"]: r["validation/loss"] for r in rows if "validation/loss" in r}
-    assert sorted(losses) == list(range(1, steps + 1)), out[-6000:]
-    return losses, val, out
+    """(losses, validation losses, log) of ``parallel_harness.train_layout``."""
+    run = train_layout(dump, seed, nproc=nproc, dp=dp, extra=extra, steps=steps)
+    return run.losses, run.validation, run.output
 
 
 def _assert_cp_ran(out: str, nproc: int, method: str) -> None:
