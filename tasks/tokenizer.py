@@ -51,7 +51,7 @@ def parse_hf_source(source: str) -> tuple[str, str | None, str]:
 
 
 def _hf_download(source: str, cache_dir: str) -> str:
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
         GatedRepoError,
@@ -64,6 +64,11 @@ def _hf_download(source: str, cache_dir: str) -> str:
     repo, revision, filename = parse_hf_source(source)
     endpoint = os.environ.get("HF_ENDPOINT") or None
     where = f"tokenizer.path: {source}"
+    if constants.HF_HUB_OFFLINE:
+        raise DataError(
+            f"{where}: HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, so the hub cannot be "
+            "reached; unset it, or point tokenizer.path at a local file or fsspec URL"
+        )
     try:
         return hf_hub_download(
             repo,

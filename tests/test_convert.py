@@ -23,8 +23,6 @@ from pydoc_data.topics import topics
 from types import SimpleNamespace
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: every load is local
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -206,8 +204,10 @@ def test_hf_config_gives_back_the_model_args(flavor: str) -> None:
 # ---------------------------------------------------------------- transformers parity
 def test_transformers_loads_export(job: dict[str, Any], exported: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
-    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    # local_files_only: every load is local (and setting HF_HUB_OFFLINE here would leak into
+    # every later test of the session, huggingface_hub reads it once at import).
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported, local_files_only=True)
     tok = Tokenizer(str(default_tokenizer_path()))
     # Tokenizer: BOS added automatically, special-token strings in text stay plain text.
     assert hf_tok(SAMPLE_TEXT)["input_ids"] == tok.encode(SAMPLE_TEXT, bos=True, eos=False)
