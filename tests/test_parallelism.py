@@ -9,16 +9,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from parallel_harness import assert_parity, run_layout
+from parallel_harness import assert_parity, run_layout, train_layout
 
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.mark.parametrize(
-    "name, nproc, dp, extra",
+    "name, nproc, dp, extra, applied",
     [
-        ("FSDP 2", 2, 2, []),
-        ("HSDP 2x2", 4, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
+        ("FSDP 2", 2, 2, [], "Applied FSDP on mesh {'dp_shard': 2}"),
+        (
+            "HSDP 2x2",
+            4,
+            4,
+            ["--parallelism.data_parallel_replicate_degree", "2"],
+            "Applied HSDP on mesh {'dp_replicate': 2, 'dp_shard': 2}",
+        ),
     ],
 )
 def test_data_parallel_parity(
@@ -29,9 +35,11 @@ def test_data_parallel_parity(
     nproc: int,
     dp: int,
     extra: list[str],
+    applied: str,
 ) -> None:
-    got = run_layout(tmp_path, parity_seed, nproc=nproc, dp=dp, extra=extra)
-    assert_parity(got, parity_reference, what=name)
+    run = train_layout(tmp_path, parity_seed, nproc=nproc, dp=dp, extra=extra)
+    assert applied in run.output, run.output[-4000:]  # HSDP falling back to FSDP would match too
+    assert_parity(run.losses, parity_reference, what=name)
 
 
 def test_two_torchrun_agents_train_as_one_world(

@@ -16,7 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from parallel_harness import GLOBAL_BATCH, assert_parity, common_args, free_port, run_layout
+from parallel_harness import (
+    GLOBAL_BATCH,
+    assert_parity,
+    common_args,
+    free_port,
+    run_layout,
+    train_layout,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -86,7 +93,12 @@ def test_tp_parity(
     """Losses and gradient norms equal the single process's; so do validation losses where
     one data-parallel rank reads the validation split as the single process does (with
     ``dp`` ranks each reads its own part of it, other samples, so only its presence counts)."""
-    got = run_layout(tmp_path, parity_seed, nproc=nproc, dp=dp, extra=[*extra, *VALIDATE])
+    run = train_layout(tmp_path, parity_seed, nproc=nproc, dp=dp, extra=[*extra, *VALIDATE])
+    # Ranks that silently skipped the plan would train full replicas and match just as well.
+    loss_parallel = "disable_loss_parallel" not in " ".join(extra)
+    applied = f"Applied tensor + sequence parallel (degree 2, loss parallel {loss_parallel})"
+    assert run.output.count(applied) == nproc, run.output[-4000:]
+    got = run.losses
     assert_parity(got, parity_reference, what=name)
     _assert_close(_series(tmp_path, "grad_norm"), _series(single, "grad_norm"), f"{name} norm")
     val = _series(tmp_path, "validation/loss")
