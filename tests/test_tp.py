@@ -17,9 +17,7 @@ from pathlib import Path
 
 import pytest
 from parallel_harness import (
-    GLOBAL_BATCH,
     assert_parity,
-    common_args,
     free_port,
     run_layout,
     train_layout,
@@ -45,18 +43,13 @@ def _series(dump: Path, key: str) -> dict[int, float]:
     return {int(r["step"]): r[key] for r in _rows(dump) if key in r}
 
 
-def _resume(dump: Path, checkpoint: Path, nproc: int, dp: int, extra: list[str]) -> dict:
+def _resume(
+    dump: Path, seed: Path, checkpoint: Path, nproc: int, dp: int, extra: list[str]
+) -> dict:
     """Train to step 10 from a copied step checkpoint (a full state); returns {step: loss}."""
     shutil.copytree(checkpoint, dump / "checkpoint" / checkpoint.name)
-    args = [*common_args(dump, 10), "--training.local_batch_size", str(GLOBAL_BATCH // dp)]
-    cmd = [sys.executable, "-m", "titan_core.train", *args, *extra]
-    if nproc > 1:
-        launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-        launcher += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"]
-        cmd = [sys.executable, *launcher, *cmd[1:]]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return _series(dump, "loss")
+    start = int(checkpoint.name.removeprefix("step-")) + 1
+    return run_layout(dump, seed, nproc=nproc, dp=dp, extra=extra, start=start)
 
 
 def _assert_close(got: dict, ref: dict, what: str, rel: float = 1e-5) -> None:
@@ -108,15 +101,15 @@ def test_tp_parity(
 
 
 def test_checkpoints_reshard_between_tp_and_one_process(
-    tmp_path: Path, parity_reference: dict, single: Path
+    tmp_path: Path, parity_seed: Path, parity_reference: dict, single: Path
 ) -> None:
     """A full state (model, optimizer, data, schedule) saved by one process continues under
     TP 2, and TP 2's save continues in one process, both on the uninterrupted losses."""
     tp_dump, one_dump = tmp_path / "tp", tmp_path / "one"
-    got = _resume(tp_dump, single / "checkpoint" / "step-4", 2, 1, [*TP2, *SAVE])
+    got = _resume(tp_dump, parity_seed, single / "checkpoint" / "step-4", 2, 1, [*TP2, *SAVE])
     assert sorted(got) == list(range(5, 11))
     assert_parity(got, parity_reference, what="TP 2 from a 1-process step-4")
-    got = _resume(one_dump, tp_dump / "checkpoint" / "step-8", 1, 1, [])
+    got = _resume(one_dump, parity_seed, tp_dump / "checkpoint" / "step-8", 1, 1, [])
     assert sorted(got) == [9, 10]
     assert_parity(got, parity_reference, what="1 process from a TP 2 step-8")
 
