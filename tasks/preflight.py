@@ -84,12 +84,12 @@ def preflight(config_toml: str, config_url: str) -> dict[str, Any]:
 
     Returns a summary: world size, parameters, estimated peak memory, model args.
     """
-    from titan_core.launch import LaunchSpec, get_launcher
+    from titan_core.launch import get_launcher
 
     logger = run_logger()
     cfg = parse_config_text(config_toml)
     world_size = cfg.launch.nnodes * cfg.launch.nproc_per_node
-    get_launcher(cfg.launch).command(LaunchSpec(args=[], launch=cfg.launch))
+    get_launcher(cfg.launch).probe()  # backend settings, and its tools on this machine
     est = dry_run(cfg, world_size)
     check_memory(cfg, est)
     if cfg.training.dataset == "titan_corpus":

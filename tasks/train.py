@@ -76,7 +76,7 @@ def train(config_url: str, seed_url: str = "", tracking: TrackingContext | None 
             log_dir=os.path.join(side, "logs", f"attempt-{attempt}"),
         )
         launcher = get_launcher(cfg.launch)
-        logger.info("Launching: %s", redact(" ".join(launcher.command(spec))))
+        logger.info("Launching (%s): %s", cfg.launch.backend, redact(launcher.render(spec)))
         result = launcher.run(spec, on_line=lambda line: logger.info(redact(line)))
     refresh(folder)  # the ranks wrote the checkpoints: drop this process's cached listings
     done = complete_steps(folder)

@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,43 +82,81 @@ def train_layout(
     nnodes: int = 1,
     timeout: int = 600,
     start: int = 1,
+    backend: str = "",
+    launch: dict[str, Any] | None = None,
+    on_line: Callable[[str], None] | None = None,
 ) -> LayoutRun:
-    """Train ``steps`` steps from ``seed`` on ``nproc`` processes (torchrun when > 1; ``nnodes``
-    torchrun agents on loopback sharing them) with ``dp`` data-parallel ranks and the ``extra``
+    """Train ``steps`` steps from ``seed`` on ``nproc`` processes (one process: no launcher;
+    else through ``titan_core.launch``: ``local`` torchrun, or ``nnodes`` agents with
+    ``local_multinode`` or ``slurm``) with ``dp`` data-parallel ranks and the ``extra``
     overrides. Steps ``start``..``steps`` must be logged (a run resuming from a step checkpoint
-    under ``dump`` logs only the steps after it)."""
+    under ``dump`` logs only the steps after it). ``launch``: more ``Launch`` settings."""
     shutil.copytree(seed, dump / "checkpoint" / "seed")
     args = [*common_args(dump, steps), "--training.local_batch_size", str(GLOBAL_BATCH // dp)]
     args += list(extra)
-    if nproc == 1:
-        cmds = [[sys.executable, "-m", "titan_core.train", *args]]
+    if nproc == 1 and not backend:
+        proc = subprocess.run(
+            [sys.executable, "-m", "titan_core.train", *args],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-8000:]
     else:
-        endpoint = f"127.0.0.1:{free_port()}" if nnodes > 1 else "localhost:0"
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}"]
-        launcher += [f"--nproc_per_node={nproc // nnodes}", "--rdzv_backend=c10d"]
-        launcher += [f"--rdzv_endpoint={endpoint}"]
-        cmds = [
-            [*launcher, f"--node_rank={node}", "-m", "titan_core.train", *args]
-            for node in range(nnodes)
-        ]
-    # Output to files, not pipes: agents wait on each other, so a full pipe could deadlock.
-    logs = [dump / f"agent{i}.log" for i in range(len(cmds))]
-    procs = []
-    for cmd, log in zip(cmds, logs, strict=True):
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    out = "\n".join(log.read_text() for log in logs)
-    assert codes == [0] * len(procs), out[-8000:]
+        out = launch_job(
+            args,
+            dump,
+            backend=backend or ("local_multinode" if nnodes > 1 else "local"),
+            nnodes=nnodes,
+            nproc_per_node=nproc // nnodes,
+            timeout=timeout,
+            on_line=on_line,
+            **(launch or {}),
+        )
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     losses = {int(r["step"]): r["loss"] for r in rows if "loss" in r}
     validation = {int(r["step"]): r["validation/loss"] for r in rows if "validation/loss" in r}
     assert sorted(losses) == list(range(start, steps + 1)), out[-8000:]
     return LayoutRun(losses, validation, out)
+
+
+def launch_job(
+    args: list[str],
+    dump: Path,
+    *,
+    backend: str,
+    timeout: float = 600,
+    on_line: Callable[[str], None] | None = None,
+    **launch: Any,
+) -> str:
+    """Run ``titan_core.train`` with ``args`` through a launcher backend; returns its output
+    (every rank's lines, each also handed to ``on_line``). Fails the test with the output's
+    tail if the job fails."""
+    from titan_core.config.job import Launch
+    from titan_core.launch import LaunchError, LaunchSpec, get_launcher
+
+    settings = Launch(backend=backend, log_ranks="all", **launch)
+    spec = LaunchSpec(
+        args=args,
+        launch=settings,
+        env={"MKL_CBWR": "AUTO,STRICT"},
+        log_dir=str(dump / "launch-logs"),
+        timeout_s=timeout,
+    )
+    lines: list[str] = []
+
+    def collect(line: str) -> None:
+        lines.append(line)
+        if on_line is not None:
+            on_line(line)
+
+    try:
+        get_launcher(settings).run(spec, collect)
+    except LaunchError as e:
+        raise AssertionError(f"{e}\n" + "\n".join(lines)[-8000:]) from None
+    return "\n".join(lines)
 
 
 def run_layout(dump: Path, seed: Path, **kwargs: Any) -> dict[int, float]:

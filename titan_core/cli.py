@@ -1,6 +1,7 @@
 """The ``titan`` console script.
 
     titan train [--ngpu N] [--log-rank R] [--module M --config C] [--section.field value ...]
+    titan launch [--dry-run] [config args]              # with [launch] backend: local, slurm...
     titan config [--module M --config C] [overrides]     # print the resolved config as TOML
     titan demo [--steps N] [overrides]                   # whole pipeline offline; rerun continues
     titan demo --engine-only [--steps N] [overrides]     # train only (no Prefect/MLflow); resumes
@@ -116,6 +117,7 @@ def _demo(ns: argparse.Namespace, rest: list[str]) -> int:
 
 # Subcommands whose parsing lives with their package: `titan NAME args` == its cli.main(args).
 _DELEGATED = {
+    "launch": "launch training with the config's [launch] backend (local, multinode, slurm)",
     "convert": "convert checkpoints between DCP and Hugging Face formats",
     "eval": "evaluate a checkpoint: loss, perplexity, bits per byte, samples",
     "estimate": "estimate per-rank memory and FLOPs for a config and world size",
@@ -124,6 +126,7 @@ _DELEGATED = {
 }
 # Imported only when their command runs: the pipeline's (Prefect, MLflow) never slow `titan train`.
 _MODULES = {
+    "launch": "titan_core.launch.cli",
     "convert": "titan_core.convert.cli",
     "eval": "titan_core.evaluate.cli",
     "estimate": "titan_core.estimate.cli",

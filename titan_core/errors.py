@@ -1,8 +1,11 @@
-"""User-facing error types: caught at entry points and printed as one line, exit code 2."""
+"""User-facing error types: caught at entry points and printed as one line, exit code 2
+(``CommError``: 3, so that launchers relaunch it rather than treat it as bad input)."""
 
 
 class TitanError(ValueError):
     """A problem with the user's input (config, files, data); printed as one line."""
+
+    exit_code = 2
 
 
 class ConfigError(TitanError):
@@ -15,3 +18,9 @@ class DataError(TitanError):
 
 class CheckpointError(TitanError):
     """Missing, incomplete or incompatible checkpoint."""
+
+
+class CommError(TitanError):
+    """A collective failed or timed out (a dead or stuck peer): worth a relaunch."""
+
+    exit_code = 3

@@ -5,6 +5,7 @@ torchrun --nproc_per_node=2 -m titan_core.train --module llama3 --config llama3_
 
 from __future__ import annotations
 
+import os
 import sys
 
 from titan_core.config.job import JobConfig
@@ -23,12 +24,32 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     """
     if cfg.comm.mode != "default":
         return comm_mode.run(cfg)
+    _note_restart(cfg)
     trainer = Trainer(cfg)
     try:
         with flight_recorder.dump_on_failure(trainer.side_folder):
             return _run(cfg, trainer)
     finally:
         trainer.close()
+
+
+def _note_restart(cfg: JobConfig) -> None:
+    """Say so when torchrun restarted the worker group (``launch.max_restarts``)."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if not restart:
+        return
+    most = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    if cfg.checkpoint.enable:
+        logger.warning(
+            "torchrun restart %d of %s: resuming from the newest complete checkpoint", restart, most
+        )
+    else:
+        logger.warning(
+            "torchrun restart %d of %s: checkpoint.enable is off, so training starts over from "
+            "step 0",
+            restart,
+            most,
+        )
 
 
 def _run(cfg: JobConfig, trainer: Trainer) -> list[dict[str, float]]:
@@ -45,13 +66,13 @@ def _run(cfg: JobConfig, trainer: Trainer) -> list[dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one job; user errors print one line on stderr and return 2."""
+    """Run one job; errors print one line on stderr and return 2 (input) or 3 (collective)."""
     init_logger()
     try:
         run(parse_args(argv))
     except TitanError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     return 0
 
 

@@ -471,20 +471,39 @@ class Debug:
 class Launch:
     """How the pipeline launches training (torchrun through titan_core.launch)."""
 
-    backend: Literal["local"] = "local"
-    """Launcher backend: local (one torchrun on this host)."""
+    backend: Literal["local", "local_multinode", "slurm"] = "local"
+    """Launcher: local (one torchrun here), local_multinode (nnodes torchrun agents on loopback),
+    slurm (sbatch + srun torchrun on every node)."""
     nproc_per_node: int = 1
     """Processes (ranks) per node."""
     nnodes: int = 1
     """Nodes in the job; world size = nnodes * nproc_per_node."""
     rdzv_endpoint: str = ""
-    """host:port of the c10d rendezvous; empty picks a free port on this host."""
+    """host:port of the c10d rendezvous; empty: a free port here (slurm: the head node, per job)."""
     max_restarts: int = 0
-    """torchrun's in-place restarts of a failed worker group."""
+    """torchrun's in-place restarts of a failed worker group (each resumes from a checkpoint)."""
     omp_num_threads: int = 1
     """OMP_NUM_THREADS of every rank; 0 keeps the environment's value."""
     log_ranks: str = "0"
-    """Local ranks whose output is streamed: a comma list such as 0,1, or all."""
+    """Ranks whose output is streamed: a comma list of global ranks such as 0,1, or all."""
+    slurm_partition: str = ""
+    """slurm: partition (sbatch --partition); empty: the cluster's default."""
+    slurm_account: str = ""
+    """slurm: account to charge (sbatch --account); empty: the user's default."""
+    slurm_time_limit: str = "04:00:00"
+    """slurm: job time limit (sbatch --time), e.g. 30, 04:00:00 or 2-00:00:00."""
+    slurm_job_name: str = "titan"
+    """slurm: job name (sbatch --job-name)."""
+    slurm_sbatch_args: list[str] = field(default_factory=list)
+    """slurm: extra sbatch options, one per item (e.g. --gpus-per-node=8, --exclusive)."""
+    slurm_setup: list[str] = field(default_factory=list)
+    """slurm: shell lines run on the batch node before srun (module load, source a venv)."""
+    slurm_python: str = ""
+    """slurm: Python on the nodes; empty: this interpreter (the nodes share its filesystem)."""
+    slurm_rdzv_port_base: int = 29500
+    """slurm: rendezvous port = base + job id % 1000 (jobs sharing a head node differ)."""
+    slurm_poll_seconds: float = 10.0
+    """slurm: seconds between squeue polls (output is streamed more often)."""
     retries: int = 2
     """Pipeline relaunches of failed training, each resuming from the newest complete checkpoint."""
     retry_delay_seconds: float = 10.0
@@ -517,8 +536,39 @@ class Launch:
         _require(
             self.log_ranks == "all" or bool(re.fullmatch(r"\d+(,\d+)*", self.log_ranks)),
             "launch.log_ranks",
-            "a comma list of local ranks (e.g. 0,1) or all",
+            "a comma list of ranks (e.g. 0,1) or all",
             self.log_ranks,
+        )
+        _require(
+            bool(re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", self.slurm_time_limit)),
+            "launch.slurm_time_limit",
+            "minutes, [D-]HH:MM[:SS] or MM:SS",
+            self.slurm_time_limit,
+        )
+        _require(
+            1 <= self.slurm_rdzv_port_base <= 64535,
+            "launch.slurm_rdzv_port_base",
+            "a port in 1..64535",
+            self.slurm_rdzv_port_base,
+        )
+        _require(
+            self.slurm_poll_seconds > 0,
+            "launch.slurm_poll_seconds",
+            "> 0",
+            self.slurm_poll_seconds,
+        )
+        for arg in self.slurm_sbatch_args:
+            _require(
+                arg.startswith("-") and "\n" not in arg,
+                "launch.slurm_sbatch_args",
+                "sbatch options such as --exclusive, one per item",
+                arg,
+            )
+        _require(
+            bool(re.fullmatch(r"[\w.+-]+", self.slurm_job_name)),
+            "launch.slurm_job_name",
+            "letters, digits and . _ + -",
+            self.slurm_job_name,
         )
 
 

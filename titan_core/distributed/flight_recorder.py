@@ -23,7 +23,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from titan_core.errors import TitanError
+from titan_core.errors import CommError
 from titan_core.logging import logger
 
 TRACE_SUBDIR = "comm_traces"
@@ -126,7 +126,7 @@ def dump_on_failure(side_folder: str) -> Iterator[None]:
             raise
         if is_comm_failure(exc):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise TitanError(
+            raise CommError(
                 f"rank {dist.get_rank()}: collective failed ({first}); flight-recorder traces "
                 f"of every rank in {trace_folder(side_folder)}"
             ) from exc

@@ -49,10 +49,26 @@ def init_distributed(init_timeout_seconds: int, trace_buf_size: int, dump_folder
         # The flight recorder is configured through env vars read at process-group creation.
         flight_recorder.configure(trace_buf_size, dump_folder)
         backend = "cuda:nccl,cpu:gloo" if dev_type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=init_timeout_seconds)
+        store = _restart_store(rank, world_size, timeout)
         dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(seconds=init_timeout_seconds)
+            backend=backend, timeout=timeout, store=store, rank=rank, world_size=world_size
         )
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _restart_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """After a torchrun restart: the rendezvous store, under a prefix of its own (else None).
+
+    torchrun (>= 2.4) keeps one TCPStore for all restarts of a job and hands it to the workers
+    without a per-attempt prefix, so the new workers' process groups would read the killed
+    attempt's keys (gloo: dead peers' addresses) and hang until the init timeout.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if not restart:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    return dist.PrefixStore(f"titan/restart_{restart}", store)
 
 
 def set_determinism(seed: int, deterministic: bool, warn_only: bool, rank_offset: int = 0) -> None:

@@ -2,7 +2,8 @@
 
 torchrun exits 1 when a worker fails and prints a "Root Cause" block naming the first failed
 rank and its exit code (negative: killed by that signal). The training entry point exits 2 on a
-user error after printing one ``error: ...`` line, which is not worth a relaunch.
+user error after printing one ``error: ...`` line, which is not worth a relaunch, and 3 when a
+collective failed (the line names the flight-recorder folder), which is.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import signal
 from collections.abc import Sequence
 
 USER_ERROR_EXIT = 2  # titan_core.train: a TitanError (bad config, missing data)
+# titan_core.train exits 3 on a CommError (a collective failed: dead or stuck peer), retryable.
 _ROOT_CAUSE_RE = re.compile(r"Root Cause")
 _RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
@@ -107,8 +109,10 @@ def describe_failure(returncode: int, tail: Sequence[str], what: str = "training
             rank=rank,
             retryable=False,
         )
+    said = _user_error(tail)  # e.g. a collective that timed out, naming the trace folder
     return LaunchError(
-        f"{what}: {where} failed with exit code {code}; the log above shows why",
+        f"{what}: {where} failed with exit code {code}"
+        + (f": {said}" if said else "; the log above shows why"),
         returncode=returncode,
         exitcode=code,
         rank=rank,

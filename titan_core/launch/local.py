@@ -1,129 +1,306 @@
-"""The ``local`` backend: one ``torchrun`` agent on this host, output streamed line by line."""
+"""Backends on this host: ``local`` (one torchrun agent) and ``local_multinode`` (``nnodes``
+torchrun agents on loopback joined by a c10d rendezvous, as separate nodes would be).
+
+Output of every agent is streamed line by line; a failure of any agent ends the others and
+becomes one ``LaunchError``.
+"""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import os
+import queue
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from titan_core.config.job import Launch
 from titan_core.errors import ConfigError
-from titan_core.launch import LaunchResult, LaunchSpec, LineCallback
 from titan_core.launch.failures import LaunchError, describe_failure
+from titan_core.launch.spec import LaunchResult, LaunchSpec, LineCallback
 
-_TAIL_LINES = 400  # enough to hold torchrun's failure report and the rank's last error
+TAIL_LINES = 400  # enough to hold torchrun's failure report and the rank's last error
 _TERM_GRACE_S = 10.0
+_PEER_GRACE_S = 30.0
+# torchrun prefixes tee'd lines with the local rank unless told otherwise: global ranks, so that
+# lines from several nodes stay apart and ``launch.log_ranks`` can pick them.
+PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+PREFIX_TEMPLATE = (
+    "[${role_name}${rank}]:"  # after one agent fails, the others get this long to notice and exit
+)
+
+
+def torchrun_args(
+    launch: Launch,
+    *,
+    nnodes: int,
+    endpoint: str,
+    rdzv_id: str = "",
+    log_dir: str = "",
+    local_ranks_filter: bool = True,
+) -> list[str]:
+    """torchrun's options for ``launch`` (without the interpreter and the module).
+
+    ``local_ranks_filter``: pass ``launch.log_ranks`` to torchrun (one node: local = global
+    ranks); with several nodes every rank is tee'd and ``rank_filter`` picks lines instead.
+    """
+    args = [
+        f"--nnodes={nnodes}",
+        f"--nproc_per_node={launch.nproc_per_node}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={endpoint}",
+    ]
+    if rdzv_id:
+        args.append(f"--rdzv_id={rdzv_id}")
+    args += [f"--max_restarts={launch.max_restarts}", "--role=rank", "--tee=3"]
+    if local_ranks_filter and launch.log_ranks != "all":
+        args.append(f"--local-ranks-filter={launch.log_ranks}")
+    if log_dir:
+        args.append(f"--log-dir={log_dir}")
+    return args
+
+
+def rank_filter(log_ranks: str) -> Callable[[str], bool]:
+    """Whether to stream a line: torchrun prefixes rank output ``[rankN]:``; other lines (the
+    agents' own) always pass."""
+    if log_ranks == "all":
+        return lambda line: True
+    keep = {int(r) for r in log_ranks.split(",")}
+
+    def accept(line: str) -> bool:
+        if not line.startswith("[rank"):
+            return True
+        head = line[5 : line.find("]")]
+        return not head.isdigit() or int(head) in keep
+
+    return accept
+
+
+def job_environment(spec: LaunchSpec) -> dict[str, str]:
+    """This process's environment (less ``env_unset``) plus the spec's, threads, unbuffered."""
+    env = {k: v for k, v in os.environ.items() if k not in spec.env_unset}
+    env.update(spec.env, PYTHONUNBUFFERED="1")
+    env.setdefault(PREFIX_TEMPLATE_ENV, PREFIX_TEMPLATE)
+    if spec.launch.omp_num_threads > 0:
+        env["OMP_NUM_THREADS"] = str(spec.launch.omp_num_threads)
+    return env
 
 
 class LocalLauncher:
-    """Runs ``python -m torch.distributed.run`` with the spec's processes on this host."""
+    """``local``: ``python -m torch.distributed.run`` with the spec's processes on this host."""
+
+    def check(self, launch: Launch) -> None:
+        """``ConfigError`` for settings this backend cannot run."""
+        if launch.nnodes != 1:
+            raise ConfigError(
+                f"launch.nnodes: the local backend runs one node, expected 1, got {launch.nnodes} "
+                "(launch.backend = local_multinode or slurm run several)"
+            )
+
+    def probe(self) -> None:
+        """Nothing to check: torchrun comes with torch."""
 
     def command(self, spec: LaunchSpec) -> list[str]:
         """The torchrun command line for ``spec``."""
-        launch = spec.launch
-        if launch.nnodes != 1:
-            raise ConfigError(
-                f"launch.nnodes: the local backend runs one node, expected 1, got {launch.nnodes}"
-            )
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1",
-            f"--nproc_per_node={launch.nproc_per_node}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint={launch.rdzv_endpoint or '127.0.0.1:0'}",
-            f"--max_restarts={launch.max_restarts}",
-            "--role=rank",
-            "--tee=3",
-        ]
-        if launch.log_ranks != "all":
-            cmd.append(f"--local-ranks-filter={launch.log_ranks}")
-        if spec.log_dir:
-            cmd.append(f"--log-dir={spec.log_dir}")
-        return [*cmd, "-m", spec.module, *spec.args]
+        self.check(spec.launch)
+        opts = torchrun_args(
+            spec.launch,
+            nnodes=1,
+            endpoint=spec.launch.rdzv_endpoint or "127.0.0.1:0",
+            log_dir=spec.log_dir or "",
+        )
+        return [sys.executable, "-m", "torch.distributed.run", *opts, "-m", spec.module, *spec.args]
 
-    def environment(self, spec: LaunchSpec) -> dict[str, str]:
-        """This process's environment (less ``env_unset``) plus the spec's, threads, unbuffered."""
-        env = {k: v for k, v in os.environ.items() if k not in spec.env_unset}
-        env.update(spec.env, PYTHONUNBUFFERED="1")
-        if spec.launch.omp_num_threads > 0:
-            env["OMP_NUM_THREADS"] = str(spec.launch.omp_num_threads)
-        return env
+    def render(self, spec: LaunchSpec) -> str:
+        """The exact command line, shell-quoted."""
+        return shlex.join(self.command(spec))
 
     def run(self, spec: LaunchSpec, on_line: LineCallback) -> LaunchResult:
         """Start torchrun, stream every output line to ``on_line``, map failures to errors."""
         cmd = self.command(spec)
-        if spec.log_dir:
-            os.makedirs(spec.log_dir, exist_ok=True)
-        start = time.monotonic()
-        tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="replace",
-            bufsize=1,
-            env=self.environment(spec),
-            cwd=spec.cwd,
-            start_new_session=True,  # one process group: the agent and its workers
-        )
-        stack = contextlib.ExitStack()
-        timed_out = threading.Event()
-        timer = None
-        if spec.timeout_s is not None:
-            timer = threading.Timer(spec.timeout_s, _expire, (proc.pid, timed_out))
-            timer.daemon = True
-            timer.start()
-        num_lines = 0
-        try:
-            stack.enter_context(_terminate_on_sigterm(proc))
-            assert proc.stdout is not None
-            for raw in proc.stdout:
-                line = raw.rstrip("\n")
-                tail.append(line)
-                num_lines += 1
-                on_line(line)
-            returncode = proc.wait()
-        except BaseException:
-            _terminate(proc)
-            raise
-        finally:
-            stack.close()
-            if timer is not None:
-                timer.cancel()
-            _kill_group(proc.pid)  # no worker outlives its agent
-            if proc.stdout is not None:
-                proc.stdout.close()
-        if timed_out.is_set():
-            raise LaunchError(
-                f"training: killed after the launch timeout of {spec.timeout_s:.0f}s",
-                returncode=returncode,
-                retryable=False,
+        return run_agents([cmd], spec, on_line, accept=lambda line: True)
+
+
+class LocalMultinodeLauncher:
+    """``local_multinode``: ``launch.nnodes`` torchrun agents on loopback, one c10d rendezvous.
+
+    Each agent stands for a node (as under Slurm or Kubernetes): the job exercises multi-node
+    rendezvous, rank assignment and teardown without a cluster.
+    """
+
+    def check(self, launch: Launch) -> None:
+        """Any node count works; the rendezvous endpoint must be on this host."""
+        host = launch.rdzv_endpoint.rpartition(":")[0]
+        if host and host not in ("127.0.0.1", "localhost", socket.gethostname()):
+            raise ConfigError(
+                f"launch.rdzv_endpoint: local_multinode rendezvous on this host, expected "
+                f"127.0.0.1:PORT or empty, got {launch.rdzv_endpoint!r}"
             )
-        if returncode != 0:
-            raise describe_failure(returncode, list(tail))
-        return LaunchResult(
-            command=cmd,
-            returncode=returncode,
-            elapsed_s=time.monotonic() - start,
-            num_lines=num_lines,
+
+    def probe(self) -> None:
+        """Nothing to check: torchrun comes with torch."""
+
+    def commands(self, spec: LaunchSpec, endpoint: str = "", rdzv_id: str = "") -> list[list[str]]:
+        """One torchrun command per agent (same rendezvous endpoint and id)."""
+        self.check(spec.launch)
+        launch = spec.launch
+        endpoint = endpoint or launch.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+        rdzv_id = rdzv_id or f"titan-{uuid.uuid4().hex[:12]}"
+        cmds = []
+        for node in range(launch.nnodes):
+            opts = torchrun_args(
+                launch,
+                nnodes=launch.nnodes,
+                endpoint=endpoint,
+                rdzv_id=rdzv_id,
+                log_dir=os.path.join(spec.log_dir, f"agent{node}") if spec.log_dir else "",
+                local_ranks_filter=False,
+            )
+            torchrun = [sys.executable, "-m", "torch.distributed.run", *opts]
+            cmds.append([*torchrun, "-m", spec.module, *spec.args])
+        return cmds
+
+    def render(self, spec: LaunchSpec) -> str:
+        """The agents' command lines, one per line (the port is picked now)."""
+        return "\n".join(shlex.join(c) + " &" for c in self.commands(spec)) + "\nwait"
+
+    def run(self, spec: LaunchSpec, on_line: LineCallback) -> LaunchResult:
+        """Start every agent, stream their lines (ranks per ``launch.log_ranks``), wait."""
+        return run_agents(self.commands(spec), spec, on_line, rank_filter(spec.launch.log_ranks))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_agents(
+    cmds: Sequence[list[str]],
+    spec: LaunchSpec,
+    on_line: LineCallback,
+    accept: Callable[[str], bool],
+) -> LaunchResult:
+    """Run the agent commands to completion, streaming ``accept``-ed lines to ``on_line``.
+
+    Lines of agent i > 0 that are not rank output get an ``[agent i]`` prefix. When an agent
+    fails, the others get ``_PEER_GRACE_S`` to notice before they are killed.
+    """
+    if spec.log_dir:
+        os.makedirs(spec.log_dir, exist_ok=True)
+    start = time.monotonic()
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
+    env = job_environment(spec)
+    procs: list[subprocess.Popen[str]] = []
+    readers: list[threading.Thread] = []
+    timed_out = threading.Event()
+    timer = None
+    num_lines = 0
+    try:
+        with terminate_on_sigterm(lambda: _terminate_all(procs)):
+            for i, cmd in enumerate(cmds):
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                    errors="replace",
+                    bufsize=1,
+                    env=env,
+                    cwd=spec.cwd,
+                    start_new_session=True,  # one process group: the agent and its workers
+                )
+                procs.append(proc)
+                reader = threading.Thread(target=_pump, args=(i, proc, lines), daemon=True)
+                reader.start()
+                readers.append(reader)
+            if spec.timeout_s is not None:
+                timer = threading.Timer(spec.timeout_s, _expire, (procs, timed_out))
+                timer.daemon = True
+                timer.start()
+            open_streams = len(procs)
+            failed_at: float | None = None
+            while open_streams:
+                try:
+                    i, line = lines.get(timeout=0.5)
+                except queue.Empty:
+                    failed_at = _watch_peers(procs, failed_at)
+                    continue
+                if line is None:
+                    open_streams -= 1
+                    failed_at = _watch_peers(procs, failed_at)
+                    continue
+                if i and not line.startswith("[rank"):
+                    line = f"[agent {i}] {line}"
+                tail.append(line)
+                if accept(line):
+                    num_lines += 1
+                    on_line(line)
+            codes = [p.wait() for p in procs]
+    except BaseException:
+        _terminate_all(procs)
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+        for p in procs:
+            _kill_group(p.pid)  # no worker outlives its agent
+            if p.stdout is not None:
+                p.stdout.close()
+    if timed_out.is_set():
+        raise LaunchError(
+            f"training: killed after the launch timeout of {spec.timeout_s:.0f}s",
+            returncode=next((c for c in codes if c), -signal.SIGKILL),
+            retryable=False,
         )
+    failed = [c for c in codes if c != 0]
+    if failed:
+        raise describe_failure(failed[0], list(tail))
+    return LaunchResult(
+        command=list(cmds[0]),
+        returncode=0,
+        elapsed_s=time.monotonic() - start,
+        num_lines=num_lines,
+    )
+
+
+def _pump(i: int, proc: subprocess.Popen[str], out: queue.Queue[tuple[int, str | None]]) -> None:
+    """Reader thread: one agent's lines into the shared queue, then ``None``."""
+    assert proc.stdout is not None
+    with contextlib.suppress(ValueError, OSError):  # closed under us at teardown
+        for raw in proc.stdout:
+            out.put((i, raw.rstrip("\n")))
+    out.put((i, None))
+
+
+def _watch_peers(procs: Sequence[subprocess.Popen[str]], failed_at: float | None) -> float | None:
+    """After an agent failed, kill the rest once the grace period is over."""
+    if failed_at is None:
+        if any(p.poll() not in (None, 0) for p in procs):
+            return time.monotonic()
+        return None
+    if time.monotonic() - failed_at > _PEER_GRACE_S:
+        for p in procs:
+            if p.poll() is None:
+                _kill_group(p.pid)
+    return failed_at
 
 
 @contextlib.contextmanager
-def _terminate_on_sigterm(proc: subprocess.Popen[str]) -> Iterator[None]:
-    """While the job runs, SIGTERM to this process (a cancelled flow run) ends the job first.
+def terminate_on_sigterm(stop: Callable[[], None]) -> Iterator[None]:
+    """While a job runs, SIGTERM to this process (a cancelled flow run) calls ``stop`` first.
 
-    The job runs in its own session, so the signal would not reach it otherwise.
+    The job runs in its own session (or on a cluster), so the signal would not reach it.
     """
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread may install handlers; the caller's cleanup still applies
@@ -131,7 +308,7 @@ def _terminate_on_sigterm(proc: subprocess.Popen[str]) -> Iterator[None]:
     previous = signal.getsignal(signal.SIGTERM)
 
     def handler(signum: int, frame: Any) -> None:
-        _terminate(proc)
+        stop()
         if callable(previous):
             previous(signum, frame)
         else:
@@ -144,20 +321,25 @@ def _terminate_on_sigterm(proc: subprocess.Popen[str]) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _terminate(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM the job's process group, then SIGKILL it if it lingers."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=_TERM_GRACE_S)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
-        proc.wait()
+def _terminate_all(procs: Sequence[subprocess.Popen[str]]) -> None:
+    """SIGTERM every agent's process group, then SIGKILL what lingers."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + _TERM_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill_group(p.pid)
+            p.wait()
 
 
-def _expire(pgid: int, flag: threading.Event) -> None:
+def _expire(procs: Sequence[subprocess.Popen[str]], flag: threading.Event) -> None:
     flag.set()
-    _kill_group(pgid)
+    for p in procs:
+        _kill_group(p.pid)
 
 
 def _kill_group(pgid: int) -> None:

@@ -1,0 +1,395 @@
+"""The ``slurm`` backend: an sbatch job that runs ``srun torchrun`` on every node.
+
+``render`` writes the batch script ``run`` submits (``titan launch --dry-run`` prints it): one
+srun task per node, each a torchrun agent; the c10d rendezvous is hosted on the first node of
+the allocation (its ``NodeAddr``) at ``slurm_rdzv_port_base + job id % 1000``, so jobs whose
+nodes share an address do not collide. ``run`` submits with ``sbatch --parsable``, polls
+``squeue`` every ``slurm_poll_seconds`` (never ``sbatch --wait``), streams the job's output file
+as it grows, maps the final job state (``scontrol show job``) to a result or a one-line
+``LaunchError`` that names the state, and cancels the job (``scancel``) if the caller is
+interrupted or times out.
+
+The job inherits the submitting environment (``--export=ALL``): credentials and the spec's
+``env`` travel that way and are never written into the script. The nodes must see this
+checkout and its interpreter (``slurm_python``) at the same paths, as on any shared filesystem.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from titan_core.config.job import Launch
+from titan_core.errors import ConfigError
+from titan_core.launch.failures import LaunchError, describe_failure, signal_name
+from titan_core.launch.local import (
+    PREFIX_TEMPLATE,
+    PREFIX_TEMPLATE_ENV,
+    TAIL_LINES,
+    job_environment,
+    rank_filter,
+    terminate_on_sigterm,
+    torchrun_args,
+)
+from titan_core.launch.spec import LaunchResult, LaunchSpec, LineCallback
+from titan_core.logging import logger
+
+CLIENTS = ("sbatch", "squeue", "scontrol", "scancel")
+# srun runs this on every node: "$0" is python, "$@" torchrun's options, module and arguments.
+_HOST_ON_NODE_0 = 'exec "$0" "$1" "$2" --rdzv_conf=is_host=$((SLURM_NODEID == 0)) "${@:3}"'
+_OUTPUT_POLL_S = 0.5  # how often the output file is read between squeue polls
+_SRUN_TASK_RE = re.compile(r"srun: error: (?P<node>\S+): task (?P<task>\d+): (?P<what>.+)$")
+_USER_ERROR_RE = re.compile(
+    r"(?:^|\]:?\s*)error: "
+)  # how often the output file is read between squeue polls
+_CLIENT_TIMEOUT_S = 60.0
+# Final states (squeue/scontrol JobState) → whether a relaunch could help.
+_RETRYABLE_STATES = {
+    "FAILED": True,  # refined by torchrun's report (a rejected config is final)
+    "TIMEOUT": True,  # the relaunch resumes from the newest checkpoint
+    "NODE_FAIL": True,
+    "PREEMPTED": True,
+    "BOOT_FAIL": True,
+    "REQUEUED": True,
+    "CANCELLED": False,
+    "OUT_OF_MEMORY": False,
+    "DEADLINE": False,
+    "REVOKED": False,
+    "SPECIAL_EXIT": False,
+}
+_ACTIVE_STATES = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "SUSPENDED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "STOPPED",
+}
+
+
+class SlurmLauncher:
+    """``slurm``: render an sbatch script, submit it, follow the job to its end."""
+
+    def check(self, launch: Launch) -> None:
+        """Settings only (a dry run needs no cluster); ``probe`` checks this machine."""
+        if launch.rdzv_endpoint.startswith(("127.", "localhost")) and launch.nnodes > 1:
+            raise ConfigError(
+                f"launch.rdzv_endpoint: {launch.rdzv_endpoint} is loopback, which other nodes "
+                "cannot reach; leave it empty (the head node's address, per job)"
+            )
+
+    def probe(self) -> None:
+        """``ConfigError`` if Slurm's clients are not here (not a login node)."""
+        missing = [c for c in CLIENTS if shutil.which(c) is None]
+        if missing:
+            raise ConfigError(
+                f"launch.backend: slurm needs {', '.join(missing)} on PATH (run from a Slurm "
+                "login node), not found"
+            )
+
+    # ------------------------------------------------------------------ script
+    def render(self, spec: LaunchSpec) -> str:
+        """The batch script for ``spec`` (paths resolved as ``run`` would)."""
+        launch = spec.launch
+        log_dir = self._log_dir(spec)
+        python = launch.slurm_python or sys.executable
+        header = [
+            "#!/bin/bash",
+            f"#SBATCH --job-name={launch.slurm_job_name}",
+            f"#SBATCH --nodes={launch.nnodes}",
+            "#SBATCH --ntasks-per-node=1",
+            f"#SBATCH --time={launch.slurm_time_limit}",
+            f"#SBATCH --output={log_dir}/slurm-%j.out",
+            f"#SBATCH --chdir={os.path.abspath(spec.cwd or os.getcwd())}",
+            "#SBATCH --export=ALL",
+        ]
+        if launch.slurm_partition:
+            header.append(f"#SBATCH --partition={launch.slurm_partition}")
+        if launch.slurm_account:
+            header.append(f"#SBATCH --account={launch.slurm_account}")
+        header += [f"#SBATCH {arg}" for arg in launch.slurm_sbatch_args]
+        body = [
+            "# Rendered by titan_core.launch (backend slurm); `titan launch --dry-run` prints it.",
+            "set -euo pipefail",
+        ]
+        if spec.env:
+            body.append(f"# From the submitting environment: {' '.join(sorted(spec.env))}")
+        body += list(launch.slurm_setup)
+        if spec.env_unset:
+            body.append(f"unset {' '.join(sorted(spec.env_unset))}")
+        exports = ["PYTHONUNBUFFERED=1", f"{PREFIX_TEMPLATE_ENV}={shlex.quote(PREFIX_TEMPLATE)}"]
+        if launch.omp_num_threads > 0:
+            exports.append(f"OMP_NUM_THREADS={launch.omp_num_threads}")
+        body.append(f"export {' '.join(exports)}")
+        body.append(f"log_dir={shlex.quote(log_dir)}")
+        if launch.rdzv_endpoint:
+            body.append(f"rdzv_endpoint={shlex.quote(launch.rdzv_endpoint)}")
+        else:
+            body += [
+                'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                'head_addr=$(scontrol show node "$head_node" | '
+                "sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
+                f"rdzv_endpoint=${{head_addr:-$head_node}}:"
+                f"$(({launch.slurm_rdzv_port_base} + SLURM_JOB_ID % 1000))",
+            ]
+        body.append(
+            'echo "titan: job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST), '
+            'rendezvous $rdzv_endpoint"'
+        )
+        opts = torchrun_args(
+            launch,
+            nnodes=launch.nnodes,
+            endpoint="$rdzv_endpoint",
+            rdzv_id="$SLURM_JOB_ID",
+            log_dir="$log_dir/torchrun-$SLURM_JOB_ID",
+            local_ranks_filter=False,  # every node's ranks; run() picks launch.log_ranks
+        )
+        srun = [
+            "srun",
+            f"--nodes={launch.nnodes}",
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
+        ]
+        if not launch.rdzv_endpoint:
+            # The head node's agent hosts the rendezvous store: torchrun's own guess compares
+            # the endpoint with the addresses the hostname resolves to, and misses a NodeAddr
+            # on a second interface. Evaluated per task, hence bash -c.
+            srun += ["bash", "-c", shlex.quote(_HOST_ON_NODE_0)]
+        srun += [
+            shlex.quote(python),
+            "-m",
+            "torch.distributed.run",
+            *(_quote_keeping_vars(o) for o in opts),
+            "-m",
+            shlex.quote(spec.module),
+            *(shlex.quote(a) for a in spec.args),
+        ]
+        body.append(" \\\n  ".join(_wrap(srun)))
+        return "\n".join(header + body) + "\n"
+
+    def _log_dir(self, spec: LaunchSpec) -> str:
+        base = spec.log_dir or os.path.join(spec.cwd or os.getcwd(), "slurm-logs")
+        return os.path.abspath(base)
+
+    # ------------------------------------------------------------------ run
+    def run(self, spec: LaunchSpec, on_line: LineCallback) -> LaunchResult:
+        """Submit, stream, wait; ``LaunchError`` naming the Slurm state on failure."""
+        try:
+            self.probe()
+        except ConfigError as e:
+            raise LaunchError(str(e), returncode=2, retryable=False) from None
+        start = time.monotonic()
+        log_dir = Path(self._log_dir(spec))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        script = log_dir / f"sbatch-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sh"
+        script.write_text(self.render(spec))
+        env = job_environment(spec)
+        submit = ["sbatch", "--parsable", str(script)]
+        res = _client(submit, env)
+        if res.returncode != 0:
+            raise LaunchError(
+                f"training: sbatch refused the job: {_last_line(res.stderr or res.stdout)}",
+                returncode=res.returncode,
+                retryable=False,
+            )
+        job_id = res.stdout.strip().split(";")[0]
+        logger.info("Submitted Slurm job %s (%s)", job_id, script)
+        on_line(f"titan: submitted Slurm job {job_id}; batch script {script}")
+        output = _Follower(log_dir / f"slurm-{job_id}.out", rank_filter(spec.launch.log_ranks))
+        cancelled = False
+
+        def cancel() -> None:
+            nonlocal cancelled
+            if not cancelled:
+                cancelled = True
+                _client(["scancel", job_id], env)
+                on_line(f"titan: cancelled Slurm job {job_id}")
+
+        try:
+            with terminate_on_sigterm(cancel):
+                state = self._follow(job_id, spec, env, output, on_line, cancel)
+        except BaseException:
+            cancel()  # an interrupted caller leaves no job behind
+            raise
+        output.drain(on_line, final=True)
+        elapsed = time.monotonic() - start
+        name, exit_code, reason = state
+        if name == "COMPLETED" and exit_code in ("0:0", ""):
+            return LaunchResult(
+                command=submit,
+                returncode=0,
+                elapsed_s=elapsed,
+                num_lines=output.num_lines,
+                job_id=job_id,
+            )
+        if spec.timeout_s is not None and elapsed >= spec.timeout_s and cancelled:
+            raise LaunchError(
+                f"training: Slurm job {job_id} cancelled after the launch timeout of "
+                f"{spec.timeout_s:.0f}s",
+                returncode=1,
+                retryable=False,
+            )
+        raise _job_error(job_id, name, exit_code, reason, list(output.tail), output.path)
+
+    def _follow(
+        self,
+        job_id: str,
+        spec: LaunchSpec,
+        env: dict[str, str],
+        output: _Follower,
+        on_line: LineCallback,
+        cancel: Callable[[], None],
+    ) -> tuple[str, str, str]:
+        """Poll until the job leaves the queue; returns (state, exit code, reason)."""
+        poll = spec.launch.slurm_poll_seconds
+        deadline = None if spec.timeout_s is None else time.monotonic() + spec.timeout_s
+        last_state = ""
+        next_poll = 0.0
+        while True:
+            output.drain(on_line)
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                cancel()
+                deadline = None
+            if now >= next_poll:
+                next_poll = now + poll
+                state, reason = _queue_state(job_id, env)
+                if state and state != last_state:
+                    extra = f" ({reason})" if reason and reason != "None" else ""
+                    on_line(f"titan: Slurm job {job_id} {state}{extra}")
+                    last_state = state
+                if not state or state not in _ACTIVE_STATES:
+                    return _final_state(job_id, env, state)
+            time.sleep(min(_OUTPUT_POLL_S, poll))
+
+
+class _Follower:
+    """Reads a growing output file; streams complete lines that pass the rank filter."""
+
+    def __init__(self, path: Path, accept: Callable[[str], bool]) -> None:
+        self.path = path
+        self.accept = accept
+        self.offset = 0
+        self.partial = ""
+        self.num_lines = 0
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+
+    def drain(self, on_line: LineCallback, final: bool = False) -> None:
+        """Stream what was appended since the last call."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return  # the job has not started yet
+        self.offset += len(data)
+        text = self.partial + data.decode(errors="replace")
+        lines = text.split("\n")
+        self.partial = "" if final else lines.pop()
+        for line in lines:
+            if final and not line:
+                continue
+            self.tail.append(line)
+            if self.accept(line):
+                self.num_lines += 1
+                on_line(line)
+
+
+def _client(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run a Slurm client; a hung controller becomes a failed call, not a hung caller."""
+    try:
+        return subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=_CLIENT_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, 124, "", f"{cmd[0]} timed out")
+
+
+def _queue_state(job_id: str, env: dict[str, str]) -> tuple[str, str]:
+    """(state, reason) from squeue; ("", "") once the job has left the queue."""
+    res = _client(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], env)
+    if res.returncode != 0 or not res.stdout.strip():
+        return "", ""
+    state, _, reason = res.stdout.strip().splitlines()[0].partition("|")
+    return state.strip(), reason.strip()
+
+
+def _final_state(job_id: str, env: dict[str, str], last: str) -> tuple[str, str, str]:
+    """(JobState, ExitCode, Reason) of a finished job from ``scontrol show job``."""
+    fields: dict[str, str] = {}
+    for _ in range(10):  # the record can lag squeue for a moment
+        res = _client(["scontrol", "-o", "show", "job", job_id], env)
+        fields = dict(re.findall(r"(\w+)=(\S*)", res.stdout)) if res.returncode == 0 else {}
+        if fields.get("JobState") and fields["JobState"] not in _ACTIVE_STATES:
+            break
+        time.sleep(0.5)
+    state = fields.get("JobState") or last or "UNKNOWN"
+    return state, fields.get("ExitCode", ""), fields.get("Reason", "")
+
+
+def _job_error(
+    job_id: str, state: str, exit_code: str, reason: str, tail: list[str], path: Path
+) -> LaunchError:
+    """One line: the Slurm state first, then what torchrun or srun said about the failure."""
+    code, _, sig = exit_code.partition(":")
+    returncode = int(code) if code.isdigit() and int(code) else 1
+    retryable = _RETRYABLE_STATES.get(state, True)
+    detail = ""
+    if any("Root Cause" in line or _USER_ERROR_RE.search(line) for line in tail):
+        torchrun = describe_failure(returncode, tail)
+        detail = ": " + str(torchrun).removeprefix("training: ")
+        retryable = retryable and torchrun.retryable
+    elif task := next((m for line in tail if (m := _SRUN_TASK_RE.search(line))), None):
+        detail = f": job step task {task['task']} on {task['node']}: {task['what']}"
+    elif returncode > 128:
+        detail = f": killed by {signal_name(returncode - 128)}"
+    elif sig.isdigit() and int(sig):
+        detail = f": killed by {signal_name(int(sig))}"
+    why = f", reason {reason}" if reason and reason != "None" else ""
+    return LaunchError(
+        f"training: Slurm job {job_id} ended {state} (exit code {exit_code or '?'}{why})"
+        f"{detail}; output in {path}",
+        returncode=returncode,
+        retryable=retryable,
+    )
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def _quote_keeping_vars(arg: str) -> str:
+    """Shell-quote an option whose value may hold ``$name`` for the script to expand."""
+    if "$" not in arg:
+        return shlex.quote(arg)
+    assert not re.search(r"[^\w$./=:{}+-]", arg), arg  # our own options: names, $vars
+    return f'"{arg}"'
+
+
+def _wrap(words: list[str]) -> list[str]:
+    """Group a long command's words into lines of about 90 characters."""
+    lines: list[str] = []
+    cur = ""
+    for w in words:
+        if cur and len(cur) + len(w) > 90:
+            lines.append(cur)
+            cur = w
+        else:
+            cur = f"{cur} {w}" if cur else w
+    if cur:
+        lines.append(cur)
+    return lines
