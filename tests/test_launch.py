@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -155,3 +156,173 @@ def test_sigterm_to_the_caller_ends_the_whole_job(tmp_path: Path) -> None:
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
         assert time.monotonic() < deadline, f"workers {pids} outlived their launcher"
         time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ several nodes
+
+
+def test_local_multinode_agents_share_one_rendezvous() -> None:
+    from titan_core.launch.local import LocalMultinodeLauncher
+
+    launch = Launch(backend="local_multinode", nnodes=3, nproc_per_node=2, max_restarts=2)
+    spec = LaunchSpec(args=["--training.steps", "3"], launch=launch, log_dir="/tmp/l")
+    cmds = LocalMultinodeLauncher().commands(spec)
+    assert len(cmds) == 3
+    for i, cmd in enumerate(cmds):
+        assert "--nnodes=3" in cmd and "--nproc_per_node=2" in cmd and "--max_restarts=2" in cmd
+        assert f"--log-dir=/tmp/l/agent{i}" in cmd
+        assert not any(c.startswith("--local-ranks-filter") for c in cmd)  # global filter
+        assert cmd[-4:] == ["-m", "titan_core.train", "--training.steps", "3"]
+    for flag in ("--rdzv_endpoint=", "--rdzv_id="):
+        assert len({next(c for c in cmd if c.startswith(flag)) for cmd in cmds}) == 1
+    rendered = get_launcher(launch).render(spec).splitlines()
+    assert len(rendered) == 4 and rendered[-1] == "wait"
+    with pytest.raises(ConfigError, match=r"^launch.rdzv_endpoint: local_multinode rendezvous"):
+        get_launcher(Launch(backend="local_multinode", rdzv_endpoint="10.1.2.3:29500"))
+
+
+def test_rank_filter_keeps_global_ranks_and_agent_lines() -> None:
+    from titan_core.launch.local import rank_filter
+
+    keep = rank_filter("0,3")
+    assert keep("[rank0]:loss") and keep("[rank3]:x") and not keep("[rank1]:x")
+    assert keep("[agent 1] torchrun: worker failed") and keep("plain line")
+    assert rank_filter("all")("[rank7]:x")
+
+
+@pytest.mark.multiprocess
+def test_local_multinode_failure_of_one_agent_ends_the_job(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(JOB)
+    launch = Launch(backend="local_multinode", nnodes=2, log_ranks="all")
+    spec = LaunchSpec(args=[], launch=launch, module="job", env={"PYTHONPATH": str(tmp_path)})
+    lines: list[str] = []
+    with pytest.raises(LaunchError) as info:
+        get_launcher(launch).run(spec, lines.append)
+    assert str(info.value) == (
+        "training: rejected its input: training.steps: expected an int > 0, got 0"
+    )
+    assert not info.value.retryable
+    for rank in (0, 1):  # one rank per agent, both prefixed with their global rank
+        assert any(line.startswith(f"[rank{rank}]:hello {rank} ") for line in lines), lines
+
+
+# ------------------------------------------------------------------ slurm (no cluster needed)
+
+
+def _script(launch: Launch, **spec: object) -> str:
+    args = ["--module", "llama3", "--job.dump_folder", "out dir"]
+    return get_launcher(launch).render(LaunchSpec(args=args, launch=launch, **spec))  # type: ignore[arg-type]
+
+
+def test_slurm_script_runs_torchrun_on_every_node() -> None:
+    launch = Launch(
+        backend="slurm",
+        nnodes=4,
+        nproc_per_node=8,
+        max_restarts=3,
+        slurm_partition="gpu",
+        slurm_account="proj",
+        slurm_time_limit="1-00:00:00",
+        slurm_sbatch_args=["--gpus-per-node=8", "--exclusive"],
+        slurm_setup=["source /shared/venv/bin/activate"],
+        slurm_python="/shared/venv/bin/python",
+        slurm_rdzv_port_base=31000,
+    )
+    secret = "s3cr3t-value"
+    script = _script(
+        launch, env={"AWS_SECRET_ACCESS_KEY": secret}, env_unset=("HIDDEN",), log_dir="/logs"
+    )
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for directive in (
+        "--nodes=4",
+        "--ntasks-per-node=1",
+        "--time=1-00:00:00",
+        "--partition=gpu",
+        "--account=proj",
+        "--gpus-per-node=8",
+        "--exclusive",
+        "--output=/logs/slurm-%j.out",
+        "--export=ALL",
+    ):
+        assert f"#SBATCH {directive}" in lines
+    assert secret not in script  # the environment carries values; the script names them
+    assert "# From the submitting environment: AWS_SECRET_ACCESS_KEY" in lines
+    assert "unset HIDDEN" in lines and "source /shared/venv/bin/activate" in lines
+    assert "$((31000 + SLURM_JOB_ID % 1000))" in script  # a rendezvous port per job
+    joined = script.replace(" \\\n  ", " ")
+    assert "srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c" in joined
+    assert "--rdzv_conf=is_host=$((SLURM_NODEID == 0))" in joined  # head node hosts the store
+    assert (
+        "/shared/venv/bin/python -m torch.distributed.run --nnodes=4 --nproc_per_node=8" in joined
+    )
+    assert '"--rdzv_endpoint=$rdzv_endpoint" "--rdzv_id=$SLURM_JOB_ID" --max_restarts=3' in joined
+    assert joined.rstrip().endswith(
+        "-m titan_core.train --module llama3 --job.dump_folder 'out dir'"
+    )
+    check = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_slurm_explicit_endpoint_and_bad_settings() -> None:
+    script = _script(Launch(backend="slurm", nnodes=2, rdzv_endpoint="store.example:29400"))
+    assert "rdzv_endpoint=store.example:29400" in script and "is_host" not in script
+    with pytest.raises(ConfigError, match=r"^launch.rdzv_endpoint: 127.0.0.1:29500 is loopback"):
+        get_launcher(Launch(backend="slurm", nnodes=2, rdzv_endpoint="127.0.0.1:29500"))
+    with pytest.raises(ConfigError, match=r"^launch.slurm_time_limit: expected minutes"):
+        Launch(slurm_time_limit="soon")
+    with pytest.raises(ConfigError, match=r"^launch.slurm_sbatch_args: expected sbatch options"):
+        Launch(slurm_sbatch_args=["exclusive"])
+
+
+def test_slurm_without_its_clients_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    launch = Launch(backend="slurm", nnodes=2)
+    launcher = get_launcher(launch)  # settings are fine: a dry run needs no cluster
+    with pytest.raises(ConfigError, match=r"^launch.backend: slurm needs sbatch, squeue"):
+        launcher.probe()
+    with pytest.raises(LaunchError, match=r"^launch.backend: slurm needs sbatch") as info:
+        launcher.run(LaunchSpec(args=[], launch=launch, log_dir=str(tmp_path)), print)
+    assert not info.value.retryable
+    assert not list(tmp_path.iterdir())  # nothing written before the check
+
+
+def test_slurm_states_map_to_one_line_errors(tmp_path: Path) -> None:
+    from titan_core.launch.slurm import _job_error
+
+    out = tmp_path / "slurm-7.out"
+    timeout = _job_error("7", "TIMEOUT", "0:15", "TimeLimit", [], out)
+    assert str(timeout).startswith("training: Slurm job 7 ended TIMEOUT (exit code 0:15, reason ")
+    assert "killed by SIGTERM" in str(timeout) and timeout.retryable  # resumes on relaunch
+    cancelled = _job_error("7", "CANCELLED", "0:0", "None", [], out)
+    assert (
+        str(cancelled) == f"training: Slurm job 7 ended CANCELLED (exit code 0:0); output in {out}"
+    )
+    assert not cancelled.retryable
+    assert not _job_error("7", "OUT_OF_MEMORY", "0:125", "", [], out).retryable
+    rejected = _job_error(
+        "7", "FAILED", "1:0", "", ["[rank1]:error: training.steps: bad", *_torchrun_report(2)], out
+    )
+    assert "rejected its input: training.steps: bad" in str(rejected) and not rejected.retryable
+    crashed = _job_error("7", "FAILED", "1:0", "", _torchrun_report(-int(signal.SIGKILL)), out)
+    assert ": rank 1 was killed by SIGKILL" in str(crashed) and crashed.retryable
+
+
+def test_titan_launch_dry_run_prints_without_running(
+    capsys: pytest.CaptureFixture[str], assets: Path
+) -> None:
+    from titan_core.cli import main
+
+    argv = ["launch", "--dry-run", "--module", "llama3", "--config", "llama3_debugmodel_tiny"]
+    assert main([*argv, "--launch.backend", "slurm", "--launch.nnodes", "2"]) == 0
+    script = capsys.readouterr().out
+    assert script.startswith("#!/bin/bash\n#SBATCH --job-name=titan\n#SBATCH --nodes=2\n")
+    assert main([*argv, "--launch.nproc_per_node", "2"]) == 0
+    (command,) = capsys.readouterr().out.splitlines()
+    assert "-m torch.distributed.run --nnodes=1 --nproc_per_node=2" in command
+    bad = ["--launch.nproc_per_node", "2", "--parallelism.tensor_parallel_degree", "3"]
+    assert main([*argv, *bad]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.count("\n") == 1 and err.startswith("error: parallelism:")

@@ -197,7 +197,7 @@ def run_agents(
     if spec.log_dir:
         os.makedirs(spec.log_dir, exist_ok=True)
     start = time.monotonic()
-    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    tails = [collections.deque[str](maxlen=TAIL_LINES) for _ in cmds]  # per agent, unprefixed
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
     env = job_environment(spec)
     procs: list[subprocess.Popen[str]] = []
@@ -230,6 +230,7 @@ def run_agents(
                 timer.start()
             open_streams = len(procs)
             failed_at: float | None = None
+            first_failed: int | None = None  # the agent whose failure ends the job
             while open_streams:
                 try:
                     i, line = lines.get(timeout=0.5)
@@ -239,10 +240,12 @@ def run_agents(
                 if line is None:
                     open_streams -= 1
                     failed_at = _watch_peers(procs, failed_at)
+                    if first_failed is None and procs[i].wait() != 0:
+                        first_failed = i
                     continue
+                tails[i].append(line)
                 if i and not line.startswith("[rank"):
                     line = f"[agent {i}] {line}"
-                tail.append(line)
                 if accept(line):
                     num_lines += 1
                     on_line(line)
@@ -263,9 +266,10 @@ def run_agents(
             returncode=next((c for c in codes if c), -signal.SIGKILL),
             retryable=False,
         )
-    failed = [c for c in codes if c != 0]
-    if failed:
-        raise describe_failure(failed[0], list(tail))
+    if any(codes):
+        if first_failed is None or not codes[first_failed]:
+            first_failed = next(i for i, c in enumerate(codes) if c)
+        raise describe_failure(codes[first_failed], list(tails[first_failed]))
     return LaunchResult(
         command=list(cmds[0]),
         returncode=0,

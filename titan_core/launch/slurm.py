@@ -227,6 +227,7 @@ class SlurmLauncher:
         output.drain(on_line, final=True)
         elapsed = time.monotonic() - start
         name, exit_code, reason = state
+        on_line(f"titan: Slurm job {job_id} ended {name} (exit code {exit_code or '?'})")
         if name == "COMPLETED" and exit_code in ("0:0", ""):
             return LaunchResult(
                 command=submit,

@@ -1,0 +1,172 @@
+"""The ``slurm`` launcher on a real two-node Slurm cluster started on this host (as root, with
+Debian's slurm-wlm; skipped with the reason elsewhere — `.ci/run` installs it): FSDP over two
+nodes matches the single process, the pipeline's ``train`` task runs on Slurm, a killed job
+step fails with the Slurm state, and an interrupted caller cancels its job."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from parallel_harness import assert_parity, train_layout
+from pipeline_helpers import TINY, run_flow, task_runs, tiny_overrides
+from slurm_cluster import SlurmCluster, start_cluster, unavailable
+
+from titan_core.config.job import Launch
+from titan_core.launch import LaunchError, LaunchSpec, get_launcher
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "Slurm available"),
+]
+FAST = {"slurm_poll_seconds": 1.0, "slurm_time_limit": "10"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """Controller + nodes n1, n2; clients in this process (and its children) point at it."""
+    c = start_cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in c.env.items():
+                mp.setenv(key, value)
+            yield c
+    finally:
+        c.stop()
+
+
+def _job_state(cluster: SlurmCluster, job_id: str) -> str:
+    out = cluster.run("scontrol", "-o", "show", "job", job_id).stdout
+    return re.search(r"JobState=(\S+)", out).group(1)  # type: ignore[union-attr]
+
+
+def _job_id(output: str) -> str:
+    return re.search(r"submitted Slurm job (\d+)", output).group(1)  # type: ignore[union-attr]
+
+
+def test_fsdp_over_two_slurm_nodes_matches_one_process(
+    cluster: SlurmCluster, tmp_path: Path, parity_seed: Path, parity_reference: dict
+) -> None:
+    run = train_layout(
+        tmp_path, parity_seed, nproc=2, dp=2, nnodes=2, backend="slurm", launch=FAST
+    )
+    out = run.output
+    job = _job_id(out)
+    assert re.search(rf"titan: job {job} on 2 nodes \(n\[1-2\]\), rendezvous [\d.]+:\d+", out)
+    assert f"titan: Slurm job {job} RUNNING" in out
+    assert f"titan: Slurm job {job} ended COMPLETED" in out
+    for rank in (0, 1):  # one rank per node, both streamed from the job's output file
+        assert re.search(rf"\[rank{rank}\]:.*Applied FSDP on mesh \{{'dp_shard': 2\}}", out)
+    assert_parity(run.losses, parity_reference, what="slurm 2 nodes x 1 process")
+    assert _job_state(cluster, job) == "COMPLETED"
+
+
+def test_killed_job_step_fails_with_the_slurm_state(cluster: SlurmCluster, tmp_path: Path) -> None:
+    launch = Launch(backend="slurm", nnodes=2, log_ranks="all", **FAST)  # type: ignore[arg-type]
+    args = [*TINY, "--job.dump_folder", str(tmp_path), "--training.steps", "100000"]
+    args += ["--checkpoint.no_enable", "--validation.no_enable", "--metrics.log_freq", "1"]
+    spec = LaunchSpec(args=args, launch=launch, log_dir=str(tmp_path / "logs"), timeout_s=300)
+    lines: list[str] = []
+
+    def kill_step_once_training(line: str) -> None:
+        lines.append(line)
+        if "step:" in line and not any("scancel" in s for s in lines):
+            job = _job_id("\n".join(lines))
+            lines.append("scancel sent")
+            cluster.run("scancel", "--signal=KILL", f"{job}.0")
+
+    with pytest.raises(LaunchError) as info:
+        get_launcher(launch).run(spec, kill_step_once_training)
+    job = _job_id("\n".join(lines))
+    error = str(info.value)
+    assert error.startswith(f"training: Slurm job {job} ended FAILED (exit code "), error
+    assert re.search(r": job step task \d on n[12]: Killed; output in ", error), error
+    assert error.endswith(f"slurm-{job}.out")
+    assert info.value.retryable  # a killed step is not bad input: the pipeline may relaunch
+    assert _job_state(cluster, job) == "FAILED"
+    assert not cluster.run("squeue", "-h", "-j", job, check=False).stdout.strip()
+
+
+SLEEPER = textwrap.dedent(
+    """
+    import os, time
+    print(f"worker on {os.environ['SLURMD_NODENAME']} rank {os.environ['RANK']}", flush=True)
+    time.sleep(600)
+    """
+)
+DRIVER = textwrap.dedent(
+    """
+    import sys
+    from titan_core.config.job import Launch
+    from titan_core.launch import LaunchSpec, get_launcher
+    launch = Launch(backend="slurm", nnodes=2, log_ranks="all", slurm_poll_seconds=1.0,
+                    slurm_time_limit="10")
+    spec = LaunchSpec(args=[], launch=launch, module="sleeper", env={"PYTHONPATH": sys.argv[1]},
+                      log_dir=sys.argv[1] + "/logs")
+    get_launcher(launch).run(spec, lambda line: print(line, flush=True))
+    """
+)
+
+
+def test_interrupted_caller_cancels_its_job(cluster: SlurmCluster, tmp_path: Path) -> None:
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen: list[str] = []
+    assert driver.stdout is not None
+    for line in driver.stdout:
+        seen.append(line)
+        if sum("worker on" in s for s in seen) == 2:
+            break
+    out = "".join(seen)
+    assert "worker on n1 rank" in out and "worker on n2 rank" in out, out
+    job = _job_id(out)
+    driver.send_signal(signal.SIGTERM)
+    rest, _ = driver.communicate(timeout=120)
+    assert driver.returncode == 128 + signal.SIGTERM, out + rest
+    assert f"titan: cancelled Slurm job {job}" in rest
+    deadline = time.monotonic() + 60
+    while cluster.run("squeue", "-h", "-j", job, check=False).stdout.strip():
+        assert time.monotonic() < deadline, f"job {job} still queued after its caller stopped"
+        time.sleep(0.5)
+    assert _job_state(cluster, job) == "CANCELLED"
+
+
+def test_pipeline_trains_on_slurm(
+    cluster: SlurmCluster, prefect_harness: Path, tmp_path: Path
+) -> None:
+    from flows.pipeline import pretrain_pipeline
+    from pipeline_helpers import flow_logs
+
+    overrides = tiny_overrides(steps=4, nproc=1)
+    overrides += ["--launch.backend", "slurm", "--launch.nnodes", "2"]
+    overrides += ["--launch.slurm_poll_seconds", "1", "--launch.slurm_time_limit", "10"]
+    state, flow_run_id = run_flow(
+        pretrain_pipeline,
+        module=TINY[1],
+        config=TINY[3],
+        overrides=overrides,
+        storage_root=str(tmp_path / "runs"),
+        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        eval_batches=1,
+    )
+    assert state.is_completed(), state.message
+    runs = task_runs(flow_run_id)
+    assert [r.state.type.value for r in runs["train"]] == ["COMPLETED"]
+    logs = "\n".join(flow_logs(flow_run_id))
+    job = _job_id(logs)
+    assert "Launching (slurm): #!/bin/bash" in logs
+    assert f"titan: Slurm job {job} ended COMPLETED" in logs
+    assert re.search(r"\[rank0\]:.*step:\s+4\s", logs)  # rank 0's metrics, live in Prefect
+    assert _job_state(cluster, job) == "COMPLETED"
