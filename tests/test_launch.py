@@ -251,7 +251,9 @@ def test_slurm_script_runs_torchrun_on_every_node() -> None:
     assert "unset HIDDEN" in lines and "source /shared/venv/bin/activate" in lines
     assert "$((31000 + SLURM_JOB_ID % 1000))" in script  # a rendezvous port per job
     joined = script.replace(" \\\n  ", " ")
-    assert "srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c" in joined
+    srun = "srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1"
+    cpus = "${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}"  # srun does not inherit
+    assert f"{srun} {cpus} bash -c" in joined
     assert "--rdzv_conf=is_host=$((SLURM_NODEID == 0))" in joined  # head node hosts the store
     assert (
         "/shared/venv/bin/python -m torch.distributed.run --nnodes=4 --nproc_per_node=8" in joined
@@ -272,7 +274,9 @@ def test_slurm_explicit_endpoint_and_bad_settings() -> None:
     with pytest.raises(ConfigError, match=r"^launch.slurm_time_limit: expected minutes"):
         Launch(slurm_time_limit="soon")
     with pytest.raises(ConfigError, match=r"^launch.slurm_sbatch_args: expected sbatch options"):
-        Launch(slurm_sbatch_args=["exclusive"])
+        Launch(slurm_sbatch_args=["exclusive; rm -rf /"])
+    plain = _script(Launch(backend="slurm", slurm_sbatch_args=["exclusive", "gpus-per-node=8"]))
+    assert "#SBATCH --exclusive\n#SBATCH --gpus-per-node=8\n" in plain  # CLI-friendly spelling
 
 
 def test_slurm_without_its_clients_is_one_line(

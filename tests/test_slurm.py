@@ -54,9 +54,7 @@ def _job_id(output: str) -> str:
 def test_fsdp_over_two_slurm_nodes_matches_one_process(
     cluster: SlurmCluster, tmp_path: Path, parity_seed: Path, parity_reference: dict
 ) -> None:
-    run = train_layout(
-        tmp_path, parity_seed, nproc=2, dp=2, nnodes=2, backend="slurm", launch=FAST
-    )
+    run = train_layout(tmp_path, parity_seed, nproc=2, dp=2, nnodes=2, backend="slurm", launch=FAST)
     out = run.output
     job = _job_id(out)
     assert re.search(rf"titan: job {job} on 2 nodes \(n\[1-2\]\), rendezvous [\d.]+:\d+", out)
@@ -146,8 +144,9 @@ def test_interrupted_caller_cancels_its_job(cluster: SlurmCluster, tmp_path: Pat
 def test_pipeline_trains_on_slurm(
     cluster: SlurmCluster, prefect_harness: Path, tmp_path: Path
 ) -> None:
-    from flows.pipeline import pretrain_pipeline
     from pipeline_helpers import flow_logs
+
+    from flows.pipeline import pretrain_pipeline
 
     overrides = tiny_overrides(steps=4, nproc=1)
     overrides += ["--launch.backend", "slurm", "--launch.nnodes", "2"]

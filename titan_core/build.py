@@ -27,17 +27,20 @@ from titan_core.models import get_flavor, get_model_spec
 from titan_core.models.llama3.parallelize import check_supported, parallelize_llama
 from titan_core.models.llama3.pipeline import pipeline_llama
 
+SIDE_ROOT_ENV = "TITAN_SIDE_ROOT"
+
 
 def local_side_folder(dump_folder: str) -> str:
     """Local folder for traces, snapshots, TensorBoard and metrics.jsonl.
 
     These writers need a real file system; when the dump folder is a URL they go to a local
-    mirror that the pipeline uploads.
+    mirror that the pipeline uploads, under ``$TITAN_SIDE_ROOT`` (default: the temp folder;
+    under Slurm a folder that the login and compute nodes share).
     """
     if not storage.is_url(dump_folder):
         return dump_folder.removeprefix("file://")
     safe = dump_folder.replace("://", "_").replace("/", "_")
-    return os.path.join(tempfile.gettempdir(), "titan_runs", safe)
+    return os.path.join(os.environ.get(SIDE_ROOT_ENV) or tempfile.gettempdir(), "titan_runs", safe)
 
 
 def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> Any:

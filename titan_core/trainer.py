@@ -69,7 +69,8 @@ class Trainer:
         )
         self.device = self.dist.device
         if self.dist.world_size > 1:
-            self.parallel_dims.build_mesh(self.device.type)
+            self.parallel_dims.build_mesh(self.device.type)  # sub-groups: torch's 30 min default
+            flight_recorder.set_group_timeouts(cfg.comm.init_timeout_seconds)
         dp_rank = self.parallel_dims.dp_rank(self.dist.rank)
         self.dataloader = self._build_loader(
             cfg.training.dataset,

@@ -495,7 +495,7 @@ class Launch:
     slurm_job_name: str = "titan"
     """slurm: job name (sbatch --job-name)."""
     slurm_sbatch_args: list[str] = field(default_factory=list)
-    """slurm: extra sbatch options, one per item (e.g. --gpus-per-node=8, --exclusive)."""
+    """slurm: extra sbatch options, one per item: gpus-per-node=8, exclusive (-- optional)."""
     slurm_setup: list[str] = field(default_factory=list)
     """slurm: shell lines run on the batch node before srun (module load, source a venv)."""
     slurm_python: str = ""
@@ -559,9 +559,9 @@ class Launch:
         )
         for arg in self.slurm_sbatch_args:
             _require(
-                arg.startswith("-") and "\n" not in arg,
+                bool(re.fullmatch(r"(--?)?[A-Za-z][\w-]*(=\S.*)?", arg)) and "\n" not in arg,
                 "launch.slurm_sbatch_args",
-                "sbatch options such as --exclusive, one per item",
+                "sbatch options such as exclusive or gpus-per-node=8, one per item",
                 arg,
             )
         _require(

@@ -146,11 +146,21 @@ def set_pg_timeouts(seconds: int) -> None:
     if not _real_groups():
         return
     dist.barrier()
+    set_group_timeouts(seconds)
+    logger.info("Collective timeout set to %ds for the rest of training", seconds)
+
+
+def set_group_timeouts(seconds: int) -> None:
+    """``seconds`` as the timeout of every process group this rank belongs to, now.
+
+    Mesh sub-groups are created with torch's default (30 min on gloo), not the default group's.
+    """
+    if not _real_groups():
+        return
     timeout = datetime.timedelta(seconds=seconds)
     for group in list(dist.distributed_c10d._world.pg_map):
         if not dist.distributed_c10d._rank_not_in_group(group):
             dist.distributed_c10d._set_pg_timeout(timeout, group)
-    logger.info("Collective timeout set to %ds for the rest of training", seconds)
 
 
 def _real_groups() -> bool:

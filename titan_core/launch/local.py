@@ -29,13 +29,11 @@ from titan_core.launch.spec import LaunchResult, LaunchSpec, LineCallback
 
 TAIL_LINES = 400  # enough to hold torchrun's failure report and the rank's last error
 _TERM_GRACE_S = 10.0
-_PEER_GRACE_S = 30.0
+_PEER_GRACE_S = 30.0  # after one agent fails, the others get this long to notice and exit
 # torchrun prefixes tee'd lines with the local rank unless told otherwise: global ranks, so that
 # lines from several nodes stay apart and ``launch.log_ranks`` can pick them.
 PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
-PREFIX_TEMPLATE = (
-    "[${role_name}${rank}]:"  # after one agent fails, the others get this long to notice and exit
-)
+PREFIX_TEMPLATE = "[${role_name}${rank}]:"
 
 
 def torchrun_args(
@@ -84,14 +82,31 @@ def rank_filter(log_ranks: str) -> Callable[[str], bool]:
     return accept
 
 
-def job_environment(spec: LaunchSpec) -> dict[str, str]:
-    """This process's environment (less ``env_unset``) plus the spec's, threads, unbuffered."""
-    env = {k: v for k, v in os.environ.items() if k not in spec.env_unset}
-    env.update(spec.env, PYTHONUNBUFFERED="1")
-    env.setdefault(PREFIX_TEMPLATE_ENV, PREFIX_TEMPLATE)
-    if spec.launch.omp_num_threads > 0:
-        env["OMP_NUM_THREADS"] = str(spec.launch.omp_num_threads)
+def launcher_variables(launch: Launch) -> dict[str, str]:
+    """The variables every backend sets for its job (threads, unbuffered output, rank tags)."""
+    env = {"PYTHONUNBUFFERED": "1", PREFIX_TEMPLATE_ENV: PREFIX_TEMPLATE}
+    if launch.omp_num_threads > 0:
+        env["OMP_NUM_THREADS"] = str(launch.omp_num_threads)
     return env
+
+
+def job_environment(spec: LaunchSpec) -> dict[str, str]:
+    """This process's environment (less ``env_unset``) plus the spec's and the launcher's."""
+    env = {k: v for k, v in os.environ.items() if k not in spec.env_unset}
+    env.update(spec.env)
+    env.update(launcher_variables(spec.launch))
+    return env
+
+
+def shell_lines(cmds: list[list[str]], spec: LaunchSpec, background: bool = False) -> str:
+    """``cmds`` as pasteable shell lines with the environment changes the launcher makes; the
+    spec's own variables are named in a comment, never shown (they may hold credentials)."""
+    unset = [f"-u {shlex.quote(k)}" for k in sorted(spec.env_unset)]
+    sets = [f"{k}={shlex.quote(v)}" for k, v in launcher_variables(spec.launch).items()]
+    lines = [f"# plus from the caller's environment: {' '.join(sorted(spec.env))}"] * bool(spec.env)
+    for cmd in cmds:
+        lines.append(" ".join(["env", *unset, *sets, shlex.join(cmd)]) + " &" * background)
+    return "\n".join(lines + ["wait"] * background)
 
 
 class LocalLauncher:
@@ -120,8 +135,8 @@ class LocalLauncher:
         return [sys.executable, "-m", "torch.distributed.run", *opts, "-m", spec.module, *spec.args]
 
     def render(self, spec: LaunchSpec) -> str:
-        """The exact command line, shell-quoted."""
-        return shlex.join(self.command(spec))
+        """The exact command line, shell-quoted, with the environment the launcher sets."""
+        return shell_lines([self.command(spec)], spec)
 
     def run(self, spec: LaunchSpec, on_line: LineCallback) -> LaunchResult:
         """Start torchrun, stream every output line to ``on_line``, map failures to errors."""
@@ -170,7 +185,7 @@ class LocalMultinodeLauncher:
 
     def render(self, spec: LaunchSpec) -> str:
         """The agents' command lines, one per line (the port is picked now)."""
-        return "\n".join(shlex.join(c) + " &" for c in self.commands(spec)) + "\nwait"
+        return shell_lines(self.commands(spec), spec, background=True)
 
     def run(self, spec: LaunchSpec, on_line: LineCallback) -> LaunchResult:
         """Start every agent, stream their lines (ranks per ``launch.log_ranks``), wait."""

@@ -31,10 +31,9 @@ from titan_core.config.job import Launch
 from titan_core.errors import ConfigError
 from titan_core.launch.failures import LaunchError, describe_failure, signal_name
 from titan_core.launch.local import (
-    PREFIX_TEMPLATE,
-    PREFIX_TEMPLATE_ENV,
     TAIL_LINES,
     job_environment,
+    launcher_variables,
     rank_filter,
     terminate_on_sigterm,
     torchrun_args,
@@ -58,7 +57,6 @@ _RETRYABLE_STATES = {
     "NODE_FAIL": True,
     "PREEMPTED": True,
     "BOOT_FAIL": True,
-    "REQUEUED": True,
     "CANCELLED": False,
     "OUT_OF_MEMORY": False,
     "DEADLINE": False,
@@ -71,6 +69,7 @@ _ACTIVE_STATES = {
     "RUNNING",
     "COMPLETING",
     "SUSPENDED",
+    "REQUEUED",
     "REQUEUE_HOLD",
     "REQUEUE_FED",
     "RESIZING",
@@ -120,7 +119,7 @@ class SlurmLauncher:
             header.append(f"#SBATCH --partition={launch.slurm_partition}")
         if launch.slurm_account:
             header.append(f"#SBATCH --account={launch.slurm_account}")
-        header += [f"#SBATCH {arg}" for arg in launch.slurm_sbatch_args]
+        header += [f"#SBATCH {_long_option(arg)}" for arg in launch.slurm_sbatch_args]
         body = [
             "# Rendered by titan_core.launch (backend slurm); `titan launch --dry-run` prints it.",
             "set -euo pipefail",
@@ -130,9 +129,7 @@ class SlurmLauncher:
         body += list(launch.slurm_setup)
         if spec.env_unset:
             body.append(f"unset {' '.join(sorted(spec.env_unset))}")
-        exports = ["PYTHONUNBUFFERED=1", f"{PREFIX_TEMPLATE_ENV}={shlex.quote(PREFIX_TEMPLATE)}"]
-        if launch.omp_num_threads > 0:
-            exports.append(f"OMP_NUM_THREADS={launch.omp_num_threads}")
+        exports = [f"{k}={shlex.quote(v)}" for k, v in launcher_variables(launch).items()]
         body.append(f"export {' '.join(exports)}")
         body.append(f"log_dir={shlex.quote(log_dir)}")
         if launch.rdzv_endpoint:
@@ -162,6 +159,8 @@ class SlurmLauncher:
             f"--nodes={launch.nnodes}",
             "--ntasks-per-node=1",
             "--kill-on-bad-exit=1",
+            # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): pass it on.
+            "${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}",
         ]
         if not launch.rdzv_endpoint:
             # The head node's agent hosts the rendezvous store: torchrun's own guess compares
@@ -296,6 +295,9 @@ class _Follower:
                 data = f.read()
         except FileNotFoundError:
             return  # the job has not started yet
+        if not data and os.path.getsize(self.path) < self.offset:
+            self.offset, self.partial = 0, ""  # requeued: Slurm truncated the file
+            return
         self.offset += len(data)
         text = self.partial + data.decode(errors="replace")
         lines = text.split("\n")
@@ -337,6 +339,12 @@ def _final_state(job_id: str, env: dict[str, str], last: str) -> tuple[str, str,
         if fields.get("JobState") and fields["JobState"] not in _ACTIVE_STATES:
             break
         time.sleep(0.5)
+    if not fields.get("JobState") and shutil.which("sacct"):
+        # Past MinJobAge the controller forgets the job; accounting (where set up) remembers.
+        res = _client(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"], env)
+        if res.returncode == 0 and "|" in res.stdout:
+            state, _, code = res.stdout.strip().splitlines()[0].partition("|")
+            fields = {"JobState": state.split()[0], "ExitCode": code}  # "CANCELLED by 0"
     state = fields.get("JobState") or last or "UNKNOWN"
     return state, fields.get("ExitCode", ""), fields.get("Reason", "")
 
@@ -366,6 +374,11 @@ def _job_error(
         returncode=returncode,
         retryable=retryable,
     )
+
+
+def _long_option(arg: str) -> str:
+    """``gpus-per-node=8`` (as the command line must spell it) → ``--gpus-per-node=8``."""
+    return arg if arg.startswith("-") else f"--{arg}"
 
 
 def _last_line(text: str) -> str:
