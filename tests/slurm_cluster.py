@@ -1,7 +1,8 @@
 """A real two-node Slurm cluster on this host, for the launcher tests (Debian's slurm-wlm).
 
 ``start_cluster(workdir)`` writes a slurm.conf (auth/none, no accounting, two nodes ``n1``/``n2``
-with their own slurmd ports — Debian builds slurmd with multiple-slurmd support), starts
+with their own slurmd ports — Debian builds slurmd with multiple-slurmd support; daemons bind
+to every address, as this host's name resolves to loopback in /etc/hosts), starts
 ``slurmctld`` and two ``slurmd`` in the foreground as child processes, waits until both nodes
 are idle, and returns a ``SlurmCluster`` whose ``env`` points clients (sbatch, squeue, srun) at
 the config via ``SLURM_CONF``. ``unavailable()`` says why a cluster cannot run here (not root,
@@ -21,6 +22,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 DAEMONS = ("slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scancel", "scontrol", "srun")
@@ -165,9 +168,16 @@ class SlurmCluster:
         raise RuntimeError(f"Slurm nodes not idle after {timeout}s: {states!r}\n{self.logs()}")
 
     def stop(self) -> None:
-        """Cancel what is left, stop the daemons (their job steps die with slurmd)."""
+        """Cancel what is left and wait for it to go (job steps outlive slurmd otherwise), stop
+        the daemons, then kill any step daemon of this cluster that is still there."""
         with contextlib.suppress(OSError):
             self.run("scancel", "--full", "--user=root", check=False)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                res = self.run("squeue", "-h", check=False)
+                if res.returncode != 0 or not res.stdout.strip():
+                    break
+                time.sleep(0.5)
         for p in reversed(self.processes):
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
@@ -177,6 +187,13 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for proc in psutil.process_iter(["name"]):
+            if proc.info["name"] == "slurmstepd":
+                with contextlib.suppress(psutil.Error):
+                    if proc.environ().get("SLURM_CONF") == str(self.conf):
+                        for child in proc.children(recursive=True):
+                            child.kill()
+                        proc.kill()
 
 
 def start_cluster(workdir: Path) -> SlurmCluster:

@@ -50,7 +50,12 @@ def _rank_pid(dump: Path, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} for {dump}")
 
 
-def test_kill_9_of_a_rank_restarts_and_resumes_bitwise(tmp_path: Path, parity_seed: Path) -> None:
+@pytest.mark.parametrize("nnodes", [1, 2], ids=["local", "local_multinode"])
+def test_kill_9_of_a_rank_restarts_and_resumes_bitwise(
+    nnodes: int, tmp_path: Path, parity_seed: Path
+) -> None:
+    """With two agents, rank 1 is the second agent's only worker: its agent counts a restart,
+    the first agent's is told to join the new round by the rendezvous."""
     clean = train_layout(
         tmp_path / "clean", parity_seed, nproc=2, dp=2, steps=STEPS, extra=SAVES
     ).losses
@@ -70,6 +75,7 @@ def test_kill_9_of_a_rank_restarts_and_resumes_bitwise(tmp_path: Path, parity_se
         dp=2,
         steps=STEPS,
         extra=SAVES,
+        nnodes=nnodes,
         launch={"max_restarts": 1},
         on_line=kill_rank_1,
     )

@@ -191,13 +191,24 @@ def test_rank_filter_keeps_global_ranks_and_agent_lines() -> None:
 
 
 @pytest.mark.multiprocess
-def test_local_multinode_failure_of_one_agent_ends_the_job(tmp_path: Path) -> None:
+def test_local_multinode_failure_of_one_agent_ends_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 (agent 1) fails; agent 0, whose rank succeeded, waits in torchrun's exit barrier
+    for its peer until the launcher's grace period stops it."""
+    import time
+
+    from titan_core.launch import local
+
+    monkeypatch.setattr(local, "PEER_GRACE_S", 1.0)
     (tmp_path / "job.py").write_text(JOB)
     launch = Launch(backend="local_multinode", nnodes=2, log_ranks="all")
     spec = LaunchSpec(args=[], launch=launch, module="job", env={"PYTHONPATH": str(tmp_path)})
     lines: list[str] = []
+    start = time.monotonic()
     with pytest.raises(LaunchError) as info:
         get_launcher(launch).run(spec, lines.append)
+    assert time.monotonic() - start < 60  # torchrun's exit barrier alone waits 300 s
     assert str(info.value) == (
         "training: rejected its input: training.steps: expected an int > 0, got 0"
     )
@@ -330,3 +341,50 @@ def test_titan_launch_dry_run_prints_without_running(
     assert main([*argv, *bad]) == 2
     out, err = capsys.readouterr()
     assert not out and err.count("\n") == 1 and err.startswith("error: parallelism:")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend, nnodes", [("local", 1), ("local_multinode", 2)])
+def test_launch_timeout_leaves_no_worker_behind(backend: str, nnodes: int, tmp_path: Path) -> None:
+    """torch starts every worker in a session of its own: killing an agent's process group
+    would orphan them. The launcher stops the agents and every worker it has seen."""
+    import time
+
+    import psutil
+
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    launch = Launch(backend=backend, nnodes=nnodes, nproc_per_node=2 // nnodes, log_ranks="all")
+    spec = LaunchSpec(
+        args=[], launch=launch, module="sleeper", env={"PYTHONPATH": str(tmp_path)}, timeout_s=8
+    )
+    lines: list[str] = []
+    with pytest.raises(LaunchError, match=r"^training: killed after the launch timeout of 8s$"):
+        get_launcher(launch).run(spec, lines.append)
+    pids = [int(line.rsplit(" ", 1)[1]) for line in lines if "worker pid" in line]
+    assert len(pids) == 2, lines
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
+        assert time.monotonic() < deadline, f"workers {pids} outlived their launch"
+        time.sleep(0.1)
+
+
+def test_slurm_output_follower_handles_split_characters_and_truncation(tmp_path: Path) -> None:
+    from titan_core.launch.slurm import _Follower
+
+    path = tmp_path / "slurm-1.out"
+    follower = _Follower(path, lambda line: not line.startswith("[rank1]"))
+    got: list[str] = []
+    follower.drain(got.append)  # no file yet: the job has not started
+    data = "titan: job 1 on 2 nodes é→\n[rank1]:hidden\n[rank0]:step ✓\npartial".encode()
+    cut = data.index("→".encode()) + 1  # in the middle of a 3-byte character
+    path.write_bytes(data[:cut])
+    follower.drain(got.append)
+    with open(path, "ab") as f:
+        f.write(data[cut:])
+    follower.drain(got.append)
+    assert got == ["titan: job 1 on 2 nodes é→", "[rank0]:step ✓"]  # partial line held back
+    assert follower.reached_srun and list(follower.tail)[-1] == "[rank0]:step ✓"
+    path.write_bytes(b"requeued\n")  # Slurm truncates the file when it starts the job again
+    follower.drain(got.append)
+    follower.drain(got.append, final=True)
+    assert got[-1] == "requeued"

@@ -169,3 +169,17 @@ def test_pipeline_trains_on_slurm(
     assert f"titan: Slurm job {job} ended COMPLETED" in logs
     assert re.search(r"\[rank0\]:.*step:\s+4\s", logs)  # rank 0's metrics, live in Prefect
     assert _job_state(cluster, job) == "COMPLETED"
+
+
+def test_failing_setup_is_final_and_named(cluster: SlurmCluster, tmp_path: Path) -> None:
+    launch = Launch(backend="slurm", nnodes=2, slurm_setup=["module load nonexistent"], **FAST)  # type: ignore[arg-type]
+    spec = LaunchSpec(args=[], launch=launch, log_dir=str(tmp_path), timeout_s=120)
+    lines: list[str] = []
+    with pytest.raises(LaunchError) as info:
+        get_launcher(launch).run(spec, lines.append)
+    job = _job_id("\n".join(lines))
+    assert str(info.value).startswith(
+        f"training: Slurm job {job} FAILED before srun started (exit code 127:0): check "
+        "launch.slurm_setup"
+    ), info.value
+    assert not info.value.retryable

@@ -57,6 +57,7 @@ def _train(ns: argparse.Namespace, rest: list[str]) -> int:
             *rest,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see titan_core.launch
         os.execve(cmd[0], cmd, env)
     from titan_core.train import main as train_main
 

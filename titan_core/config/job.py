@@ -559,10 +559,18 @@ class Launch:
         )
         for arg in self.slurm_sbatch_args:
             _require(
-                bool(re.fullmatch(r"(--?)?[A-Za-z][\w-]*(=\S.*)?", arg)) and "\n" not in arg,
+                bool(re.fullmatch(r"(--?)?[A-Za-z][\w-]*(=[^\s#]+)?", arg)),
                 "launch.slurm_sbatch_args",
                 "sbatch options such as exclusive or gpus-per-node=8, one per item",
                 arg,
+            )
+        for key in ("slurm_partition", "slurm_account"):
+            value = getattr(self, key)
+            _require(
+                bool(re.fullmatch(r"[\w.,+-]*", value)),
+                f"launch.{key}",
+                "a Slurm name (letters, digits and . , _ + -)",
+                value,
             )
         _require(
             bool(re.fullmatch(r"[\w.+-]+", self.slurm_job_name)),

@@ -58,14 +58,18 @@ def init_distributed(init_timeout_seconds: int, trace_buf_size: int, dump_folder
 
 
 def _restart_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """After a torchrun restart: the rendezvous store, under a prefix of its own (else None).
+    """After a torchrun restart on torchrun's shared store: that store under a prefix of its
+    own (else None, and init_process_group builds its store as usual).
 
     torchrun (>= 2.4) keeps one TCPStore for all restarts of a job and hands it to the workers
     without a per-attempt prefix, so the new workers' process groups would read the killed
-    attempt's keys (gloo: dead peers' addresses) and hang until the init timeout.
+    attempt's keys (gloo: dead peers' addresses) and hang until the init timeout. The prefix
+    helps where every agent counts the same restarts (one node); across nodes an agent whose
+    workers were healthy restarts without counting, so titan's launchers switch the sharing off
+    instead (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: a fresh store per rendezvous round).
     """
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if not restart:
+    if not restart or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     return dist.PrefixStore(f"titan/restart_{restart}", store)

@@ -17,7 +17,7 @@ USER_ERROR_EXIT = 2  # titan_core.train: a TitanError (bad config, missing data)
 _ROOT_CAUSE_RE = re.compile(r"Root Cause")
 _RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
-_USER_ERROR_RE = re.compile(r"(?:^|\]:?\s*)error: (.+)$")
+USER_ERROR_RE = re.compile(r"(?:^|\]:?\s*)error: (.+)$")
 _OOM_RE = re.compile(r"OutOfMemoryError|CUDA out of memory")
 
 
@@ -65,7 +65,7 @@ def _root_cause(tail: Sequence[str]) -> tuple[int | None, int | None]:
 
 def _user_error(tail: Sequence[str]) -> str | None:
     for line in reversed(tail):
-        if m := _USER_ERROR_RE.search(line.strip()):
+        if m := USER_ERROR_RE.search(line.strip()):
             return m.group(1).strip()
     return None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import os
 import queue
 import shlex
@@ -22,18 +23,22 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import psutil
+
 from titan_core.config.job import Launch
 from titan_core.errors import ConfigError
 from titan_core.launch.failures import LaunchError, describe_failure
 from titan_core.launch.spec import LaunchResult, LaunchSpec, LineCallback
 
 TAIL_LINES = 400  # enough to hold torchrun's failure report and the rank's last error
-_TERM_GRACE_S = 10.0
-_PEER_GRACE_S = 30.0  # after one agent fails, the others get this long to notice and exit
+# torchrun, told to stop, gives its workers 30 s before it kills them; then it is our turn.
+_TERM_GRACE_S = 40.0
+PEER_GRACE_S = 10.0  # after one agent fails, the others get this long to notice and exit
 # torchrun prefixes tee'd lines with the local rank unless told otherwise: global ranks, so that
 # lines from several nodes stay apart and ``launch.log_ranks`` can pick them.
 PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 PREFIX_TEMPLATE = "[${role_name}${rank}]:"
+NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def torchrun_args(
@@ -85,6 +90,9 @@ def rank_filter(log_ranks: str) -> Callable[[str], bool]:
 def launcher_variables(launch: Launch) -> dict[str, str]:
     """The variables every backend sets for its job (threads, unbuffered output, rank tags)."""
     env = {"PYTHONUNBUFFERED": "1", PREFIX_TEMPLATE_ENV: PREFIX_TEMPLATE}
+    # A fresh rendezvous store per round: torchrun's shared one keeps a killed attempt's keys
+    # (see titan_core.distributed.utils._restart_store).
+    env[NO_SHARED_STORE_ENV] = "1"
     if launch.omp_num_threads > 0:
         env["OMP_NUM_THREADS"] = str(launch.omp_num_threads)
     return env
@@ -207,7 +215,7 @@ def run_agents(
     """Run the agent commands to completion, streaming ``accept``-ed lines to ``on_line``.
 
     Lines of agent i > 0 that are not rank output get an ``[agent i]`` prefix. When an agent
-    fails, the others get ``_PEER_GRACE_S`` to notice before they are killed.
+    fails, the others get ``PEER_GRACE_S`` to notice before they are stopped.
     """
     if spec.log_dir:
         os.makedirs(spec.log_dir, exist_ok=True)
@@ -215,47 +223,30 @@ def run_agents(
     tails = [collections.deque[str](maxlen=TAIL_LINES) for _ in cmds]  # per agent, unprefixed
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
     env = job_environment(spec)
-    procs: list[subprocess.Popen[str]] = []
-    readers: list[threading.Thread] = []
+    agents = _Agents()
     timed_out = threading.Event()
     timer = None
     num_lines = 0
     try:
-        with terminate_on_sigterm(lambda: _terminate_all(procs)):
+        with terminate_on_sigterm(agents.stop):
             for i, cmd in enumerate(cmds):
-                proc = subprocess.Popen(
-                    cmd,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    text=True,
-                    errors="replace",
-                    bufsize=1,
-                    env=env,
-                    cwd=spec.cwd,
-                    start_new_session=True,  # one process group: the agent and its workers
-                )
-                procs.append(proc)
-                reader = threading.Thread(target=_pump, args=(i, proc, lines), daemon=True)
-                reader.start()
-                readers.append(reader)
+                proc = agents.start(cmd, env, spec.cwd)
+                threading.Thread(target=_pump, args=(i, proc, lines), daemon=True).start()
             if spec.timeout_s is not None:
-                timer = threading.Timer(spec.timeout_s, _expire, (procs, timed_out))
+                timer = threading.Timer(spec.timeout_s, _expire, (agents, timed_out))
                 timer.daemon = True
                 timer.start()
-            open_streams = len(procs)
-            failed_at: float | None = None
+            open_streams = len(cmds)
             first_failed: int | None = None  # the agent whose failure ends the job
             while open_streams:
+                agents.watch()
                 try:
                     i, line = lines.get(timeout=0.5)
                 except queue.Empty:
-                    failed_at = _watch_peers(procs, failed_at)
                     continue
                 if line is None:
                     open_streams -= 1
-                    failed_at = _watch_peers(procs, failed_at)
-                    if first_failed is None and procs[i].wait() != 0:
+                    if first_failed is None and agents.procs[i].wait() != 0:
                         first_failed = i
                     continue
                 tails[i].append(line)
@@ -264,21 +255,18 @@ def run_agents(
                 if accept(line):
                     num_lines += 1
                     on_line(line)
-            codes = [p.wait() for p in procs]
+            codes = [p.wait() for p in agents.procs]
     except BaseException:
-        _terminate_all(procs)
+        agents.stop()
         raise
     finally:
         if timer is not None:
             timer.cancel()
-        for p in procs:
-            _kill_group(p.pid)  # no worker outlives its agent
-            if p.stdout is not None:
-                p.stdout.close()
-    if timed_out.is_set():
+        agents.close()
+    if timed_out.is_set() and any(codes):
         raise LaunchError(
             f"training: killed after the launch timeout of {spec.timeout_s:.0f}s",
-            returncode=next((c for c in codes if c), -signal.SIGKILL),
+            returncode=next(c for c in codes if c),
             retryable=False,
         )
     if any(codes):
@@ -302,17 +290,116 @@ def _pump(i: int, proc: subprocess.Popen[str], out: queue.Queue[tuple[int, str |
     out.put((i, None))
 
 
-def _watch_peers(procs: Sequence[subprocess.Popen[str]], failed_at: float | None) -> float | None:
-    """After an agent failed, kill the rest once the grace period is over."""
-    if failed_at is None:
-        if any(p.poll() not in (None, 0) for p in procs):
-            return time.monotonic()
-        return None
-    if time.monotonic() - failed_at > _PEER_GRACE_S:
-        for p in procs:
+class _Agents:
+    """The torchrun agents of one launch and every process they start.
+
+    torch starts each worker in a session of its own, so signalling an agent's process group
+    does not reach its workers: the workers are tracked (psutil, which also guards against a
+    reused pid) and killed with the agents when it comes to that. Agents also die with the
+    thread that started them (``PR_SET_PDEATHSIG``), for a caller killed without cleanup.
+    """
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.known: dict[int, psutil.Process] = {}
+        self.failed_at: float | None = None
+        self._lock = threading.Lock()
+        self._last_scan = 0.0
+
+    def start(self, cmd: list[str], env: dict[str, str], cwd: str | None) -> subprocess.Popen[str]:
+        """Start one agent (its own session, output piped)."""
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # one preloaded libc call: safe with threads
+        )
+        with self._lock:
+            self.procs.append(proc)
+        return proc
+
+    def track(self) -> None:
+        """Remember every live descendant of the agents (workers, their helpers)."""
+        with self._lock:
+            for p in self.procs:
+                with contextlib.suppress(psutil.Error):
+                    for child in psutil.Process(p.pid).children(recursive=True):
+                        self.known.setdefault(child.pid, child)
+
+    def watch(self) -> None:
+        """Each loop turn: track workers (twice a second); after an agent failed, stop the
+        others once they have had ``PEER_GRACE_S`` to notice."""
+        now = time.monotonic()
+        if now - self._last_scan >= 0.5:
+            self._last_scan = now
+            self.track()
+        if self.failed_at is None:
+            if any(p.poll() not in (None, 0) for p in self.procs):
+                self.failed_at = now
+        elif now - self.failed_at > PEER_GRACE_S and any(p.poll() is None for p in self.procs):
+            self.stop()
+
+    def stop(self) -> None:
+        """SIGTERM every agent (torchrun then stops its workers), SIGKILL what lingers."""
+        self.track()
+        for p in self.procs:
             if p.poll() is None:
-                _kill_group(p.pid)
-    return failed_at
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + _TERM_GRACE_S
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the agents' process groups and every tracked descendant still running."""
+        self.track()
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        for child in list(self.known.values()):
+            with contextlib.suppress(psutil.Error):
+                if child.is_running():
+                    child.kill()
+
+    def close(self) -> None:
+        """At the end: nothing of the job survives; pipes closed."""
+        self.kill()
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=_TERM_GRACE_S)
+            if p.stdout is not None:
+                p.stdout.close()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the thread that started it goes away."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _load_prctl() -> Any:
+    with contextlib.suppress(OSError, AttributeError):
+        return ctypes.CDLL(None, use_errno=True).prctl
+    return None
+
+
+_PR_SET_PDEATHSIG = 1
+_PRCTL = _load_prctl() if sys.platform == "linux" else None
+
+
+def _expire(agents: _Agents, flag: threading.Event) -> None:
+    flag.set()
+    agents.stop()
 
 
 @contextlib.contextmanager
@@ -338,29 +425,3 @@ def terminate_on_sigterm(stop: Callable[[], None]) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _terminate_all(procs: Sequence[subprocess.Popen[str]]) -> None:
-    """SIGTERM every agent's process group, then SIGKILL what lingers."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + _TERM_GRACE_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _kill_group(p.pid)
-            p.wait()
-
-
-def _expire(procs: Sequence[subprocess.Popen[str]], flag: threading.Event) -> None:
-    flag.set()
-    for p in procs:
-        _kill_group(p.pid)
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)

@@ -16,6 +16,7 @@ checkout and its interpreter (``slurm_python``) at the same paths, as on any sha
 
 from __future__ import annotations
 
+import codecs
 import collections
 import os
 import re
@@ -23,13 +24,19 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from titan_core.config.job import Launch
 from titan_core.errors import ConfigError
-from titan_core.launch.failures import LaunchError, describe_failure, signal_name
+from titan_core.launch.failures import (
+    USER_ERROR_RE,
+    LaunchError,
+    describe_failure,
+    signal_name,
+)
 from titan_core.launch.local import (
     TAIL_LINES,
     job_environment,
@@ -50,6 +57,8 @@ _USER_ERROR_RE = re.compile(
     r"(?:^|\]:?\s*)error: "
 )  # how often the output file is read between squeue polls
 _CLIENT_TIMEOUT_S = 60.0
+_TIMED_OUT = 124  # the returncode _client gives a client that did not answer in time
+_MAX_QUERY_FAILURES = 30  # squeue failures in a row before the job counts as lost
 # Final states (squeue/scontrol JobState) → whether a relaunch could help.
 _RETRYABLE_STATES = {
     "FAILED": True,  # refined by torchrun's report (a rejected config is final)
@@ -104,6 +113,13 @@ class SlurmLauncher:
         """The batch script for ``spec`` (paths resolved as ``run`` would)."""
         launch = spec.launch
         log_dir = self._log_dir(spec)
+        workdir = os.path.abspath(spec.cwd or os.getcwd())
+        for what, path in (("log folder", log_dir), ("working directory", workdir)):
+            if re.search(r"[\s#]", path):
+                raise ConfigError(
+                    f"launch.backend: slurm cannot use a {what} with whitespace or '#' in its "
+                    f"path (#SBATCH lines do not quote), got {path!r}"
+                )
         python = launch.slurm_python or sys.executable
         header = [
             "#!/bin/bash",
@@ -111,9 +127,10 @@ class SlurmLauncher:
             f"#SBATCH --nodes={launch.nnodes}",
             "#SBATCH --ntasks-per-node=1",
             f"#SBATCH --time={launch.slurm_time_limit}",
-            f"#SBATCH --output={log_dir}/slurm-%j.out",
-            f"#SBATCH --chdir={os.path.abspath(spec.cwd or os.getcwd())}",
+            f"#SBATCH --output={log_dir.replace('%', '%%')}/slurm-%j.out",
+            f"#SBATCH --chdir={workdir}",
             "#SBATCH --export=ALL",
+            "#SBATCH --no-requeue",  # relaunching (and resuming) is the caller's decision
         ]
         if launch.slurm_partition:
             header.append(f"#SBATCH --partition={launch.slurm_partition}")
@@ -122,11 +139,12 @@ class SlurmLauncher:
         header += [f"#SBATCH {_long_option(arg)}" for arg in launch.slurm_sbatch_args]
         body = [
             "# Rendered by titan_core.launch (backend slurm); `titan launch --dry-run` prints it.",
-            "set -euo pipefail",
+            "set -eo pipefail",
         ]
         if spec.env:
             body.append(f"# From the submitting environment: {' '.join(sorted(spec.env))}")
         body += list(launch.slurm_setup)
+        body.append("set -u")  # after the site's setup lines (some activate scripts trip on -u)
         if spec.env_unset:
             body.append(f"unset {' '.join(sorted(spec.env_unset))}")
         exports = [f"{k}={shlex.quote(v)}" for k, v in launcher_variables(launch).items()]
@@ -136,7 +154,7 @@ class SlurmLauncher:
             body.append(f"rdzv_endpoint={shlex.quote(launch.rdzv_endpoint)}")
         else:
             body += [
-                'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
                 'head_addr=$(scontrol show node "$head_node" | '
                 "sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
                 f"rdzv_endpoint=${{head_addr:-$head_node}}:"
@@ -188,16 +206,26 @@ class SlurmLauncher:
         """Submit, stream, wait; ``LaunchError`` naming the Slurm state on failure."""
         try:
             self.probe()
+            text = self.render(spec)
         except ConfigError as e:
             raise LaunchError(str(e), returncode=2, retryable=False) from None
         start = time.monotonic()
         log_dir = Path(self._log_dir(spec))
         log_dir.mkdir(parents=True, exist_ok=True)
-        script = log_dir / f"sbatch-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sh"
-        script.write_text(self.render(spec))
-        env = job_environment(spec)
+        fd, name = tempfile.mkstemp(prefix="sbatch-", suffix=".sh", dir=log_dir)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        script = Path(name)
+        env = _submit_environment(spec)
         submit = ["sbatch", "--parsable", str(script)]
         res = _client(submit, env)
+        if res.returncode == _TIMED_OUT:
+            raise LaunchError(
+                f"training: sbatch did not answer in {_CLIENT_TIMEOUT_S:.0f}s; the job may have "
+                f"been submitted all the same: check squeue before relaunching ({script})",
+                returncode=res.returncode,
+                retryable=False,  # a relaunch could run the job twice
+            )
         if res.returncode != 0:
             raise LaunchError(
                 f"training: sbatch refused the job: {_last_line(res.stderr or res.stdout)}",
@@ -205,27 +233,18 @@ class SlurmLauncher:
                 retryable=False,
             )
         job_id = res.stdout.strip().split(";")[0]
-        logger.info("Submitted Slurm job %s (%s)", job_id, script)
-        on_line(f"titan: submitted Slurm job {job_id}; batch script {script}")
+        job = _Job(job_id, env, on_line)
         output = _Follower(log_dir / f"slurm-{job_id}.out", rank_filter(spec.launch.log_ranks))
-        cancelled = False
-
-        def cancel() -> None:
-            nonlocal cancelled
-            if not cancelled:
-                cancelled = True
-                _client(["scancel", job_id], env)
-                on_line(f"titan: cancelled Slurm job {job_id}")
-
         try:
-            with terminate_on_sigterm(cancel):
-                state = self._follow(job_id, spec, env, output, on_line, cancel)
+            with terminate_on_sigterm(job.cancel):
+                logger.info("Submitted Slurm job %s (%s)", job_id, script)
+                on_line(f"titan: submitted Slurm job {job_id}; batch script {script}")
+                name, exit_code, reason = self._follow(job, spec, output)
         except BaseException:
-            cancel()  # an interrupted caller leaves no job behind
+            job.cancel()  # an interrupted caller leaves no job behind
             raise
         output.drain(on_line, final=True)
         elapsed = time.monotonic() - start
-        name, exit_code, reason = state
         on_line(f"titan: Slurm job {job_id} ended {name} (exit code {exit_code or '?'})")
         if name == "COMPLETED" and exit_code in ("0:0", ""):
             return LaunchResult(
@@ -235,45 +254,96 @@ class SlurmLauncher:
                 num_lines=output.num_lines,
                 job_id=job_id,
             )
-        if spec.timeout_s is not None and elapsed >= spec.timeout_s and cancelled:
+        if job.timed_out:
             raise LaunchError(
                 f"training: Slurm job {job_id} cancelled after the launch timeout of "
                 f"{spec.timeout_s:.0f}s",
                 returncode=1,
                 retryable=False,
             )
+        if name == "FAILED" and not output.reached_srun:
+            raise LaunchError(
+                f"training: Slurm job {job_id} FAILED before srun started (exit code "
+                f"{exit_code or '?'}): check launch.slurm_setup; output in {output.path}",
+                returncode=1,
+                retryable=False,  # the same script would fail the same way
+            )
         raise _job_error(job_id, name, exit_code, reason, list(output.tail), output.path)
 
-    def _follow(
-        self,
-        job_id: str,
-        spec: LaunchSpec,
-        env: dict[str, str],
-        output: _Follower,
-        on_line: LineCallback,
-        cancel: Callable[[], None],
-    ) -> tuple[str, str, str]:
-        """Poll until the job leaves the queue; returns (state, exit code, reason)."""
+    def _follow(self, job: _Job, spec: LaunchSpec, output: _Follower) -> tuple[str, str, str]:
+        """Poll until the job has left the queue; returns (state, exit code, reason).
+
+        A failed ``squeue`` call (busy controller) is not the end of the job: polling goes on,
+        and only ``_MAX_QUERY_FAILURES`` failures in a row give up (cancelling the job).
+        """
         poll = spec.launch.slurm_poll_seconds
         deadline = None if spec.timeout_s is None else time.monotonic() + spec.timeout_s
-        last_state = ""
-        next_poll = 0.0
+        last_state, next_poll, failures = "", 0.0, 0
         while True:
-            output.drain(on_line)
+            output.drain(job.on_line)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                cancel()
+                job.timed_out = True
+                job.cancel()
                 deadline = None
             if now >= next_poll:
                 next_poll = now + poll
-                state, reason = _queue_state(job_id, env)
+                state, reason = _queue_state(job.id, job.env)
+                if state is None:
+                    failures += 1
+                    if failures >= _MAX_QUERY_FAILURES:
+                        job.cancel()
+                        raise LaunchError(
+                            f"training: lost track of Slurm job {job.id}: squeue failed "
+                            f"{failures} times in a row; the job was cancelled",
+                            returncode=1,
+                            retryable=False,
+                        )
+                    continue
+                failures = 0
                 if state and state != last_state:
                     extra = f" ({reason})" if reason and reason != "None" else ""
-                    on_line(f"titan: Slurm job {job_id} {state}{extra}")
+                    job.on_line(f"titan: Slurm job {job.id} {state}{extra}")
                     last_state = state
                 if not state or state not in _ACTIVE_STATES:
-                    return _final_state(job_id, env, state)
+                    final = _final_state(job.id, job.env, state)
+                    if final[0] not in _ACTIVE_STATES:
+                        return final
             time.sleep(min(_OUTPUT_POLL_S, poll))
+
+
+class _Job:
+    """A submitted job: its id, the clients' environment, and cancelling it (once)."""
+
+    def __init__(self, job_id: str, env: dict[str, str], on_line: LineCallback) -> None:
+        self.id = job_id
+        self.env = env
+        self.on_line = on_line
+        self.cancelled = False
+        self.timed_out = False
+
+    def cancel(self) -> None:
+        """``scancel`` (retried: a busy controller may refuse the first call)."""
+        if self.cancelled:
+            return
+        self.cancelled = True
+        for _ in range(3):
+            res = _client(["scancel", self.id], self.env)
+            if res.returncode == 0:
+                self.on_line(f"titan: cancelled Slurm job {self.id}")
+                return
+            time.sleep(1.0)
+        self.on_line(
+            f"titan: could not cancel Slurm job {self.id}: {_last_line(res.stderr)}; "
+            f"run `scancel {self.id}`"
+        )
+
+
+def _submit_environment(spec: LaunchSpec) -> dict[str, str]:
+    """The job's environment for sbatch: the caller's and the spec's, without the variables of
+    an allocation the caller may itself be running in (they would override the new job's)."""
+    env = job_environment(spec)
+    return {k: v for k, v in env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
 
 
 class _Follower:
@@ -284,7 +354,9 @@ class _Follower:
         self.accept = accept
         self.offset = 0
         self.partial = ""
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.num_lines = 0
+        self.reached_srun = False  # the script printed its "titan: job" line (setup passed)
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     def drain(self, on_line: LineCallback, final: bool = False) -> None:
@@ -297,14 +369,16 @@ class _Follower:
             return  # the job has not started yet
         if not data and os.path.getsize(self.path) < self.offset:
             self.offset, self.partial = 0, ""  # requeued: Slurm truncated the file
+            self.decoder.reset()
             return
         self.offset += len(data)
-        text = self.partial + data.decode(errors="replace")
+        text = self.partial + self.decoder.decode(data, final=final)
         lines = text.split("\n")
         self.partial = "" if final else lines.pop()
         for line in lines:
             if final and not line:
                 continue
+            self.reached_srun = self.reached_srun or line.startswith("titan: job ")
             self.tail.append(line)
             if self.accept(line):
                 self.num_lines += 1
@@ -318,13 +392,17 @@ def _client(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[
             cmd, env=env, capture_output=True, text=True, timeout=_CLIENT_TIMEOUT_S, check=False
         )
     except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(cmd, 124, "", f"{cmd[0]} timed out")
+        return subprocess.CompletedProcess(cmd, _TIMED_OUT, "", f"{cmd[0]} timed out")
 
 
-def _queue_state(job_id: str, env: dict[str, str]) -> tuple[str, str]:
-    """(state, reason) from squeue; ("", "") once the job has left the queue."""
+def _queue_state(job_id: str, env: dict[str, str]) -> tuple[str | None, str]:
+    """(state, reason) from squeue; ("", "") once the job has left the queue; (None, "") when
+    squeue itself failed (the job may well be running)."""
     res = _client(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], env)
-    if res.returncode != 0 or not res.stdout.strip():
+    if res.returncode != 0:
+        gone = "Invalid job id" in res.stderr
+        return ("" if gone else None), ""
+    if not res.stdout.strip():
         return "", ""
     state, _, reason = res.stdout.strip().splitlines()[0].partition("|")
     return state.strip(), reason.strip()
@@ -357,7 +435,7 @@ def _job_error(
     returncode = int(code) if code.isdigit() and int(code) else 1
     retryable = _RETRYABLE_STATES.get(state, True)
     detail = ""
-    if any("Root Cause" in line or _USER_ERROR_RE.search(line) for line in tail):
+    if any("Root Cause" in line or USER_ERROR_RE.search(line) for line in tail):
         torchrun = describe_failure(returncode, tail)
         detail = ": " + str(torchrun).removeprefix("training: ")
         retryable = retryable and torchrun.retryable
