@@ -35,6 +35,14 @@ SAVES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory, parity_seed: Path) -> dict[int, float]:
+    """Losses of the uninterrupted run (one agent; two agents are bitwise equal to it:
+    tests/test_parallelism.py)."""
+    dump = tmp_path_factory.mktemp("clean")
+    return train_layout(dump, parity_seed, nproc=2, dp=2, steps=STEPS, extra=SAVES).losses
+
+
 def _rank_pid(dump: Path, rank: int) -> int:
     """PID of the first-attempt worker process of ``rank`` training into ``dump``."""
     for proc in psutil.process_iter(["cmdline"]):
@@ -52,13 +60,10 @@ def _rank_pid(dump: Path, rank: int) -> int:
 
 @pytest.mark.parametrize("nnodes", [1, 2], ids=["local", "local_multinode"])
 def test_kill_9_of_a_rank_restarts_and_resumes_bitwise(
-    nnodes: int, tmp_path: Path, parity_seed: Path
+    nnodes: int, tmp_path: Path, parity_seed: Path, clean: dict[int, float]
 ) -> None:
     """With two agents, rank 1 is the second agent's only worker: its agent counts a restart,
     the first agent's is told to join the new round by the rendezvous."""
-    clean = train_layout(
-        tmp_path / "clean", parity_seed, nproc=2, dp=2, steps=STEPS, extra=SAVES
-    ).losses
     dump = tmp_path / "killed"
     killed: list[int] = []
 
