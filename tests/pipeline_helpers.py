@@ -69,10 +69,13 @@ def task_runs(flow_run_id: Any) -> dict[str, list[Any]]:
 
 
 def flow_logs(flow_run_id: Any) -> list[str]:
-    """Every log message of a flow run (its tasks' included)."""
+    """Every log message of a flow run (its tasks' included), after the enqueued ones are sent
+    (logs reach the API in batches, some after the flow run has returned)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
 
+    APILogHandler().flush()
     messages: list[str] = []
     with get_client(sync_client=True) as client:
         while True:

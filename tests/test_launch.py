@@ -355,10 +355,10 @@ def test_launch_timeout_leaves_no_worker_behind(backend: str, nnodes: int, tmp_p
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     launch = Launch(backend=backend, nnodes=nnodes, nproc_per_node=2 // nnodes, log_ranks="all")
     spec = LaunchSpec(
-        args=[], launch=launch, module="sleeper", env={"PYTHONPATH": str(tmp_path)}, timeout_s=8
+        args=[], launch=launch, module="sleeper", env={"PYTHONPATH": str(tmp_path)}, timeout_s=6
     )
     lines: list[str] = []
-    with pytest.raises(LaunchError, match=r"^training: killed after the launch timeout of 8s$"):
+    with pytest.raises(LaunchError, match=r"^training: killed after the launch timeout of 6s$"):
         get_launcher(launch).run(spec, lines.append)
     pids = [int(line.rsplit(" ", 1)[1]) for line in lines if "worker pid" in line]
     assert len(pids) == 2, lines

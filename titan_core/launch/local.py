@@ -33,7 +33,8 @@ from titan_core.launch.spec import LaunchResult, LaunchSpec, LineCallback
 TAIL_LINES = 400  # enough to hold torchrun's failure report and the rank's last error
 # torchrun, told to stop, gives its workers 30 s before it kills them; then it is our turn.
 _TERM_GRACE_S = 40.0
-PEER_GRACE_S = 10.0  # after one agent fails, the others get this long to notice and exit
+PEER_GRACE_S = 10.0
+_PEER_TERM_GRACE_S = 5.0  # after one agent fails, the others get this long to notice and exit
 # torchrun prefixes tee'd lines with the local rank unless told otherwise: global ranks, so that
 # lines from several nodes stay apart and ``launch.log_ranks`` can pick them.
 PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
@@ -344,16 +345,18 @@ class _Agents:
             if any(p.poll() not in (None, 0) for p in self.procs):
                 self.failed_at = now
         elif now - self.failed_at > PEER_GRACE_S and any(p.poll() is None for p in self.procs):
-            self.stop()
+            # An agent whose workers finished waits in torchrun's exit barrier (a blocking
+            # store call that defers its SIGTERM handler): a short grace, then the kill.
+            self.stop(grace=_PEER_TERM_GRACE_S)
 
-    def stop(self) -> None:
+    def stop(self, grace: float | None = None) -> None:
         """SIGTERM every agent (torchrun then stops its workers), SIGKILL what lingers."""
         self.track()
         for p in self.procs:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + _TERM_GRACE_S
+        deadline = time.monotonic() + (_TERM_GRACE_S if grace is None else grace)
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
