@@ -304,7 +304,7 @@ class _Agents:
         self.procs: list[subprocess.Popen[str]] = []
         self.known: dict[int, psutil.Process] = {}
         self.failed_at: float | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # stop() may run in a signal handler during track()
         self._last_scan = 0.0
 
     def start(self, cmd: list[str], env: dict[str, str], cwd: str | None) -> subprocess.Popen[str]:
