@@ -172,12 +172,12 @@ class LocalMultinodeLauncher:
     def probe(self) -> None:
         """Nothing to check: torchrun comes with torch."""
 
-    def commands(self, spec: LaunchSpec, endpoint: str = "", rdzv_id: str = "") -> list[list[str]]:
-        """One torchrun command per agent (same rendezvous endpoint and id)."""
+    def commands(self, spec: LaunchSpec) -> list[list[str]]:
+        """One torchrun command per agent (same rendezvous endpoint and id, picked now)."""
         self.check(spec.launch)
         launch = spec.launch
-        endpoint = endpoint or launch.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
-        rdzv_id = rdzv_id or f"titan-{uuid.uuid4().hex[:12]}"
+        endpoint = launch.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+        rdzv_id = f"titan-{uuid.uuid4().hex[:12]}"
         cmds = []
         for node in range(launch.nnodes):
             opts = torchrun_args(
