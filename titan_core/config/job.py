@@ -118,7 +118,25 @@ class Training:
     data_streams: int = 0
     """Independent data streams the global batch is drawn from; 0 = one per data-parallel rank.
     Fixing it (to a multiple of every DP degree you use) makes runs with different DP degrees,
-    a single process included, see the same samples: the seed-checkpoint parity recipe."""
+    a single process included, see the same samples: the seed-checkpoint parity recipe.
+    Prepared datasets need no streams: any DP degree sees the same global batches."""
+    dataset_mix: list[str] = field(default_factory=list)
+    """Prepared datasets mixed by weight, as URL=WEIGHT entries (weights are normalised); when
+    set, it replaces training.dataset."""
+    dataset_shuffle: bool = True
+    """Prepared datasets: draw samples in a seeded random order per epoch (else in file order)."""
+    dataset_seed: int = 0
+    """Seed of the prepared datasets' sample order (independent of debug.seed)."""
+    dataset_verify: Literal["size", "checksum"] = "size"
+    """Check of prepared shards before training: sizes (cheap), or full checksums too."""
+    dataset_prefetch: int = 2
+    """Batches a background thread reads ahead from prepared datasets; 0 reads in the step."""
+    dataset_cache_mb: int = 64
+    """Read-ahead cache per remote (non-local) shard reader, in MiB."""
+    document_masking: bool = False
+    """Prepared datasets: attention does not cross document boundaries inside a sample."""
+    document_positions: bool = False
+    """With document_masking: RoPE positions restart at 0 at each document start."""
 
     def __post_init__(self) -> None:
         for key in ("local_batch_size", "gradient_accumulation_steps", "seq_len", "steps"):
@@ -128,6 +146,71 @@ class Training:
         _require(self.gc_freq > 0, "training.gc_freq", "an int > 0", self.gc_freq)
         _require(self.data_streams >= 0, "training.data_streams", "an int >= 0", self.data_streams)
         _require(bool(self.dataset), "training.dataset", "a dataset name or path", "")
+        _require(
+            self.dataset_prefetch >= 0, "training.dataset_prefetch", ">= 0", self.dataset_prefetch
+        )
+        _require(
+            self.dataset_cache_mb > 0, "training.dataset_cache_mb", "> 0", self.dataset_cache_mb
+        )
+        _require(
+            self.document_masking or not self.document_positions,
+            "training.document_positions",
+            "training.document_masking on as well",
+            self.document_positions,
+        )
+        parse_mix(self.dataset_mix)
+
+
+def parse_mix(entries: list[str]) -> list[tuple[str, float]]:
+    """``URL=WEIGHT`` entries → (url, weight normalised to sum 1); ConfigError naming the entry."""
+    pairs: list[tuple[str, float]] = []
+    for i, entry in enumerate(entries):
+        url, sep, weight = str(entry).rpartition("=")
+        try:
+            value = float(weight) if sep and url else -1.0
+        except ValueError:
+            value = -1.0
+        if not (value > 0 and value != float("inf")):
+            raise ConfigError(
+                f"training.dataset_mix[{i}]: expected URL=WEIGHT with a weight > 0, got {entry!r}"
+            )
+        pairs.append((url, value))
+    urls = [url for url, _ in pairs]
+    dupes = sorted({u for u in urls if urls.count(u) > 1})
+    _require(not dupes, "training.dataset_mix", "each dataset once", dupes)
+    total = sum(w for _, w in pairs)
+    return [(url, w / total) for url, w in pairs]
+
+
+@dataclass(kw_only=True)
+class Data:
+    """Data preparation: raw sources tokenized once into shards that training memory-maps."""
+
+    sources: list[str] = field(default_factory=list)
+    """Raw sources to prepare (files or folders of .txt/.jsonl/.json/.parquet, compressed too; any
+    fsspec URL; hf:NAME?name=CONFIG&split=SPLIT&revision=REV for Hugging Face datasets). When
+    set, the pipeline prepares them and trains on the result instead of training.dataset."""
+    text_field: str = "text"
+    """Row field holding the document text (jsonl, json, parquet and Hugging Face rows)."""
+    root: str = ""
+    """Where prepared datasets live (shared by model lines); empty uses <storage.root>/data."""
+    validation_every: int = 100
+    """Hold out every Nth document of each source file as the validation split; 0 holds none."""
+    workers: int = 0
+    """Local processes tokenizing shards; 0 uses every core."""
+    dask_address: str = ""
+    """Address of a Dask scheduler (tcp://host:port): tokenize shards on that cluster instead."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.text_field), "data.text_field", "a field name", self.text_field)
+        _require(self.validation_every >= 0, "data.validation_every", ">= 0", self.validation_every)
+        _require(self.workers >= 0, "data.workers", ">= 0", self.workers)
+        _require(
+            not self.dask_address or "://" in self.dask_address,
+            "data.dask_address",
+            "a scheduler address like tcp://host:8786",
+            self.dask_address,
+        )
 
 
 @dataclass(kw_only=True)
@@ -623,6 +706,8 @@ class JobConfig:
     """Model family and flavor."""
     tokenizer: Tokenizer = field(default_factory=Tokenizer)
     """Tokenizer source."""
+    data: Data = field(default_factory=Data)
+    """Data preparation (pre-tokenized shards)."""
     training: Training = field(default_factory=Training)
     """Training data, shapes and numerics."""
     optimizer: Optimizer = field(default_factory=Optimizer)

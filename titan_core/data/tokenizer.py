@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import os
 import uuid
 from collections.abc import Iterable, Sequence
@@ -82,7 +83,13 @@ class Tokenizer:
         # Not tiktoken.load.load_tiktoken_bpe: it caches every path (local ones too) in
         # /tmp/data-gym-cache by path name, so a rebuilt file would load stale ranks; and it
         # cannot read fsspec URLs. parse_ranks reads the very same format.
-        ranks = parse_ranks(_read_bytes(self.path), self.path)
+        data = _read_bytes(self.path)
+        ranks = parse_ranks(data, self.path)
+        # Identifies the encoding, not the file's location: a prepared dataset records it, and a
+        # job may only train on data prepared with the same ranks, split regex and specials.
+        self.fingerprint: str = hashlib.sha256(
+            b"\0".join([data, LLAMA3_PAT_STR.encode(), "\n".join(SPECIAL_TOKENS).encode()])
+        ).hexdigest()
         self.special_tokens: dict[str, int] = {
             token: len(ranks) + i for i, token in enumerate(SPECIAL_TOKENS)
         }
