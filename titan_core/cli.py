@@ -7,6 +7,7 @@
     titan demo --engine-only [--steps N] [overrides]     # train only (no Prefect/MLflow); resumes
     titan pipeline run [--module M --config C] [...]     # the Prefect pipeline (see --help)
     titan convert dcp-to-hf|hf-to-dcp ...                # checkpoint conversion (see --help)
+    titan data prepare|info|verify ...                   # tokenize sources into shards
     titan eval --checkpoint URL [...]                    # held-out loss, perplexity, samples
     titan estimate --ngpu N [--json] [...]               # per-rank memory and FLOPs
     titan compare --experiment NAME [--runs ID ...]      # MLflow runs side by side, loss curves
@@ -120,6 +121,7 @@ def _demo(ns: argparse.Namespace, rest: list[str]) -> int:
 _DELEGATED = {
     "launch": "launch training with the config's [launch] backend (local, multinode, slurm)",
     "convert": "convert checkpoints between DCP and Hugging Face formats",
+    "data": "prepare raw sources into token shards; describe and verify prepared datasets",
     "eval": "evaluate a checkpoint: loss, perplexity, bits per byte, samples",
     "estimate": "estimate per-rank memory and FLOPs for a config and world size",
     "compare": "compare MLflow runs of an experiment: table, differing config, loss curves",
@@ -129,6 +131,7 @@ _DELEGATED = {
 _MODULES = {
     "launch": "titan_core.launch.cli",
     "convert": "titan_core.convert.cli",
+    "data": "titan_core.data.cli",
     "eval": "titan_core.evaluate.cli",
     "estimate": "titan_core.estimate.cli",
     "compare": "flows.compare_cli",

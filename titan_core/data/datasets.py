@@ -19,10 +19,11 @@ from typing import Any
 import fsspec
 
 from titan_core.data.assets import bundled_corpus_dir
+from titan_core.data.sources import raw_rows as _raw_rows
+from titan_core.data.sources import strip_compression as _strip_compression
 from titan_core.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
-_COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 # `datasets` builders that read local files: dataset="json" with dataset_path=<data files>.
 HF_FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 
@@ -162,38 +163,6 @@ class LocalDocumentSource(DocumentSource):
             return None
 
 
-def _raw_rows(file: str) -> Iterator[tuple[str, Any]]:
-    """(kind, raw) per row: ("txt", block bytes), ("jsonl", line bytes) or ("row", parsed row)."""
-    with fsspec.open(file, "rb", compression="infer") as f:
-        if _strip_compression(file).endswith(".txt"):
-            yield from (("txt", block) for block in _txt_blocks(f))
-            return
-        first = f.read(1)
-        while first.isspace():
-            first = f.read(1)
-        if first == b"[":  # a JSON array file; anything else is read as JSON lines
-            try:
-                rows = json.loads((first + f.read()).decode("utf-8"))
-            except ValueError:
-                raise DataError(f"{file}: expected a JSON array of rows or JSON lines") from None
-            yield from (("row", row) for row in rows)
-            return
-        lines = itertools.chain([first + f.readline()], f) if first else iter(())
-        yield from (("jsonl", line) for line in lines if line.strip())
-
-
-def _txt_blocks(f: Any) -> Iterator[bytes]:
-    block: list[bytes] = []
-    for line in f:
-        if line.strip():
-            block.append(line)
-        elif block:
-            yield b"".join(block).rstrip(b"\r\n")
-            block = []
-    if block:
-        yield b"".join(block).rstrip(b"\r\n")
-
-
 class HFDocumentSource(DocumentSource):
     """Documents from `datasets.load_dataset`, split across ranks with split_dataset_by_node."""
 
@@ -260,12 +229,6 @@ def _local_files(location: str, label: str) -> list[str]:
     if not files:
         raise DataError(f"{label}: no {'/'.join(TEXT_SUFFIXES)} files under {location}")
     return files
-
-
-def _strip_compression(name: str) -> str:
-    for ext in _COMPRESSIONS:
-        name = name.removesuffix(ext)
-    return name
 
 
 def _split_location(location: str, split: str, explicit: bool, label: str) -> str:
