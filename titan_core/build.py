@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from titan_core.checkpoint import storage
-from titan_core.config.job import JobConfig
+from titan_core.config.job import JobConfig, parse_mix
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.distributed import simulation
 from titan_core.distributed import utils as dist_utils
@@ -63,16 +63,56 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> Any:
         args.max_seq_len = cfg.model.max_seq_len
     else:
         args.max_seq_len = max(args.max_seq_len, cfg.training.seq_len)
+    args.document_positions = cfg.training.document_positions
     return args
 
 
+def check_prepared_data(cfg: JobConfig, tokenizer: Tokenizer) -> None:
+    """Prepared datasets the job reads (training.dataset or dataset_mix, and validation's):
+    manifest present, this job's tokenizer, shard sizes as listed (one listing per dataset),
+    enough tokens for one sample. DataError naming the file; raw text is checked later."""
+    from titan_core.components.validate import validation_data
+    from titan_core.data import shards
+    from titan_core.data.windows import check_prepared
+
+    t = cfg.training
+    mix = [url for url, _ in parse_mix(t.dataset_mix)]
+    train = mix or [loc for loc in [t.dataset_path or t.dataset] if shards.is_prepared(loc)]
+    if t.document_masking and not train:
+        raise ConfigError(
+            f"training.document_masking: needs a prepared dataset (titan data prepare), got "
+            f"{t.dataset_path or t.dataset!r}"
+        )
+    todo = [(url, "train") for url in train]
+    if cfg.validation.enable:
+        data = validation_data(cfg)
+        if shards.is_prepared(loc := data["dataset_path"] or data["dataset"]):
+            todo.append((loc, data["split"]))
+        elif t.document_masking:
+            raise ConfigError(
+                f"validation.dataset: training.document_masking needs a prepared dataset, got "
+                f"{loc!r}"
+            )
+    for url, split in todo:
+        check_prepared(
+            url, split, fingerprint=tokenizer.fingerprint, seq_len=t.seq_len, verify="size"
+        )
+
+
 def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer, Any]:
-    """Every check that needs no process group: degrees, the parallel plan, tokenizer, model
-    shapes. Run by the trainer before ``init_distributed`` and by ``titan train`` before it
-    launches torchrun, so a bad config fails with one line before any process starts."""
+    """Every check that needs no process group: degrees, the parallel plan, tokenizer,
+    prepared data (manifests, shard sizes), model shapes. Run by the trainer before
+    ``init_distributed`` and by ``titan train`` before it launches torchrun, so a bad config
+    fails with one line before any process starts."""
     parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
     check_supported(parallel_dims, cfg, dist_utils.device_type())
+    if cfg.training.document_masking and (parallel_dims.pp_enabled or parallel_dims.cp_enabled):
+        raise ConfigError(
+            "training.document_masking: not supported with pipeline or context parallelism yet "
+            "(parallelism.pipeline_parallel_degree and context_parallel_degree must be 1)"
+        )
     tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
+    check_prepared_data(cfg, tokenizer)
     get_model_spec(cfg.model.name)
     model_args = build_model_args(cfg, tokenizer.n_words)
     if parallel_dims.cp_enabled:

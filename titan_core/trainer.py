@@ -38,9 +38,9 @@ from titan_core.components.optimizer import OptimizerState, build_optimizer
 from titan_core.components.profiling import MemoryProfiler, maybe_enable_profiling
 from titan_core.components.validate import Validator, validation_data
 from titan_core.config.dtypes import autocast_dtype, compute_dtype
-from titan_core.config.job import JobConfig
+from titan_core.config.job import JobConfig, parse_mix
 from titan_core.config.manager import to_toml
-from titan_core.data import build_dataloader
+from titan_core.data import PreparedDataloader, build_dataloader
 from titan_core.distributed import flight_recorder
 from titan_core.distributed import utils as dist_utils
 from titan_core.distributed.context_parallel import context_parallel_context, model_cp_buffers
@@ -72,6 +72,7 @@ class Trainer:
             self.parallel_dims.build_mesh(self.device.type)  # sub-groups: torch's 30 min default
             flight_recorder.set_group_timeouts(cfg.comm.init_timeout_seconds)
         dp_rank = self.parallel_dims.dp_rank(self.dist.rank)
+        self._finite_loaders: dict[tuple, PreparedDataloader] = {}  # validation, built once
         self.dataloader = self._build_loader(
             cfg.training.dataset,
             cfg.training.dataset_path,
@@ -130,7 +131,10 @@ class Trainer:
         num_streams: int = 0,
     ) -> Any:
         t = self.cfg.training
-        return build_dataloader(
+        key = (dataset, path, split, batch_size)
+        if not infinite and key in self._finite_loaders:  # a prepared pass restarts by itself
+            return self._finite_loaders[key]
+        loader = build_dataloader(
             dataset=dataset,
             dataset_path=path,
             split=split,
@@ -143,7 +147,18 @@ class Trainer:
             dp_world_size=self.parallel_dims.dp_degree,
             infinite=infinite,
             num_streams=num_streams,
+            # Prepared datasets (a validation loader reads one dataset, in order):
+            mix=parse_mix(t.dataset_mix) if infinite else None,
+            shuffle=t.dataset_shuffle,
+            seed=t.dataset_seed,
+            verify=t.dataset_verify,
+            prefetch=t.dataset_prefetch,
+            cache_mb=t.dataset_cache_mb,
+            document_masking=t.document_masking,
         )
+        if not infinite and isinstance(loader, PreparedDataloader):  # checked and opened once
+            self._finite_loaders[key] = loader
+        return loader
 
     def _build_validator(self, dp_rank: int) -> Validator:
         v, data = self.cfg.validation, validation_data(self.cfg)
@@ -225,30 +240,36 @@ class Trainer:
         )
 
     def _forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor, scale: float
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        scale: float,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Forward, loss and backward of one micro-batch; returns the detached scaled loss
-        (under PP: the last stage's loss, zero on other stages' ranks)."""
+        """Forward, loss and backward of one micro-batch (``doc_ids`` under document masking);
+        returns the detached scaled loss (under PP: the last stage's loss, zero on other
+        stages' ranks)."""
         if self.pipeline is not None:
+            assert doc_ids is None, "check_job refuses document masking with PP"
             with self._train_context(inputs, labels), self._autocast():
                 return self.pipeline.step(inputs, labels, scale)
         with self._train_context(inputs, labels):
             with self._autocast():
-                pred = self.model(inputs)  # (bs, seq, vocab)
+                pred = self.model(inputs, doc_ids=doc_ids)  # (bs, seq, vocab)
             loss = self.loss_fn(pred, labels) * scale
             del pred  # free the logits before backward needs the memory
             loss.backward()
         return loss.detach()
 
     def train_step(
-        self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+        self, batches: list[tuple[torch.Tensor, ...]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over ``batches`` (gradient accumulation); returns detached
-        (loss, grad_norm) without synchronizing the host."""
+        """One optimizer step over ``batches`` of (inputs, labels[, doc_ids]) (gradient
+        accumulation); returns detached (loss, grad_norm) without synchronizing the host."""
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in batches:
-            loss = self._forward_backward(inputs, labels, 1.0 / len(batches))
+        for inputs, labels, *doc_ids in batches:  # doc_ids: [] or [(bs, seq)] when masking
+            loss = self._forward_backward(inputs, labels, 1.0 / len(batches), *doc_ids)
             # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
             loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
         grad_norm = dist_utils.clip_grad_norm_(
@@ -259,12 +280,12 @@ class Trainer:
         self.lr_scheduler.step()
         return loss_sum, grad_norm
 
-    def _next_batches(self, data_iter: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _next_batches(self, data_iter: Any) -> list[tuple[torch.Tensor, ...]]:
         start = time.perf_counter()
         batches = []
         for _ in range(self.cfg.training.gradient_accumulation_steps):
-            inputs, labels = next(data_iter)
-            batches.append((inputs.to(self.device), labels.to(self.device)))
+            # (inputs, labels), plus doc_ids under document masking
+            batches.append(tuple(t.to(self.device) for t in next(data_iter)))
         self.metrics.add_data_time(time.perf_counter() - start)
         return batches
 
@@ -296,6 +317,9 @@ class Trainer:
                 "step": step,
                 **self.metrics.log(step, self._reduce_for_log(loss), grad_norm.item(), lr),
             }
+            if mix := self.dataloader.metrics():
+                self.metrics.log_scalars(step, mix)  # realized shares of a dataset mix
+                row |= mix
         if self.validator.should_validate(step, last):
             val = self.validator.validate(self.model_parts, self.pipeline)
             logger.info("step: %5d  validation loss: %.4f", step, val["validation/loss"])

@@ -183,8 +183,13 @@ class CheckpointManager:
         try:
             dcp.load(state, storage_reader=storage.dcp_reader(path), planner=LoadPlanner())
         except dcp.CheckpointException as e:  # a BaseException: `except Exception` misses it
+            # The first rank's own error says what went wrong; DCP's wrapper only lists ranks.
+            cause = next(iter(e.failures.values()))[0] if e.failures else e
+            if isinstance(cause, CheckpointError):  # already one clear line
+                raise cause from None
+            detail = (str(cause).strip().splitlines() or ["no detail"])[0]
             raise CheckpointError(
-                f"checkpoint: cannot load {keys} from {path}: {str(e).splitlines()[0]}"
+                f"checkpoint: cannot load {keys} from {path}: {type(cause).__name__}: {detail}"
             ) from e
 
     # ------------------------------------------------------------------ save

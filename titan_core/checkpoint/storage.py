@@ -8,9 +8,11 @@ import uuid
 
 import fsspec
 from fsspec.core import url_to_fs
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+from titan_core.checkpoint.safe_reader import SafeFileSystemReader, SafeFsspecReader
 
 
 def is_url(path: str) -> bool:
@@ -93,5 +95,5 @@ def dcp_writer(path: str) -> StorageWriter:
 
 
 def dcp_reader(path: str) -> StorageReader:
-    """A DCP reader for a local path or any fsspec URL."""
-    return FsspecReader(path) if is_url(path) else FileSystemReader(path)
+    """A DCP reader for a local path or any fsspec URL (metadata unpickled safely)."""
+    return SafeFsspecReader(path) if is_url(path) else SafeFileSystemReader(path)

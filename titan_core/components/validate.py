@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_core.config.job import JobConfig
+from titan_core.config.job import JobConfig, parse_mix
 from titan_core.config.job import Validation as ValidationConfig
 from titan_core.data.datasets import is_local_dataset
 from titan_core.distributed.pipeline_parallel import PipelineRunner
@@ -25,15 +25,17 @@ def validation_data(cfg: JobConfig) -> dict[str, Any]:
 
     They follow the ``validation`` section as the trainer's validator does: a separate local
     validation file is both the dataset and its path; a registered or Hugging Face name reads
-    its validation split.
+    its validation split, and so does a prepared dataset (with ``training.dataset_mix``: the
+    first dataset of the mix).
     """
     v, t = cfg.validation, cfg.training
+    mix = parse_mix(t.dataset_mix)
     if v.dataset:
         path = v.dataset if is_local_dataset(v.dataset) else ""
-    else:
-        path = t.dataset_path
+    else:  # a prepared dataset's validation split; under a mix, the first dataset's
+        path = "" if mix else t.dataset_path
     return {
-        "dataset": v.dataset or t.dataset,
+        "dataset": v.dataset or (mix[0][0] if mix else t.dataset),
         "dataset_path": path,
         "split": v.dataset_split,
         "text_field": t.dataset_text_field,
@@ -81,13 +83,15 @@ class Validator:
         pipeline: PipelineRunner | None,
         inputs: torch.Tensor,
         labels: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         inputs, labels = inputs.to(self.device), labels.to(self.device)
+        doc_ids = doc_ids.to(self.device) if doc_ids is not None else None
         context = self.batch_context or (lambda *_: contextlib.nullcontext())
         with context(inputs, labels):
             if pipeline is not None:  # forward through the stages; the last one has the loss
                 return pipeline.eval_loss(inputs, labels)
-            return self.loss_fn(model_parts[0](inputs), labels)
+            return self.loss_fn(model_parts[0](inputs, doc_ids=doc_ids), labels)
 
     @torch.no_grad()
     def validate(
@@ -100,10 +104,10 @@ class Validator:
             part.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         batches, has_loss = 0, True
-        for inputs, labels in self.build_loader():
+        for inputs, labels, *doc_ids in self.build_loader():  # doc_ids under document masking
             if batches == self.cfg.steps:
                 break
-            loss = self._batch_loss(model_parts, pipeline, inputs, labels)
+            loss = self._batch_loss(model_parts, pipeline, inputs, labels, *doc_ids)
             has_loss = loss is not None
             if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor
                 loss = loss.to_local()

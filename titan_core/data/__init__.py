@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         TextPackingDataset,
         build_dataloader,
     )
+    from titan_core.data.reader import PreparedDataloader, build_prepared_dataloader
     from titan_core.data.tokenizer import LLAMA3_PAT_STR, SPECIAL_TOKENS, Tokenizer, train_bpe
 
 # Exports resolve lazily: `python -m titan_core.data.assets` must not find its own module already
@@ -46,6 +47,7 @@ _EXPORTS = {
         "registered_datasets",
     ],
     "loader": ["ParallelAwareDataloader", "TextPackingDataset", "build_dataloader"],
+    "reader": ["PreparedDataloader", "build_prepared_dataloader"],
     "tokenizer": ["LLAMA3_PAT_STR", "SPECIAL_TOKENS", "Tokenizer", "train_bpe"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -58,11 +60,13 @@ __all__ = [
     "HFDocumentSource",
     "LocalDocumentSource",
     "ParallelAwareDataloader",
+    "PreparedDataloader",
     "TextPackingDataset",
     "Tokenizer",
     "assets_dir",
     "build_dataloader",
     "build_document_source",
+    "build_prepared_dataloader",
     "bundled_corpus_dir",
     "default_tokenizer_path",
     "ensure_assets",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import pickle
 from collections.abc import Generator, Iterator
 from typing import Any
 
@@ -12,9 +11,11 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from titan_core.data import shards
 from titan_core.data.datasets import DocumentSource, build_document_source
+from titan_core.data.reader import PreparedDataloader, build_prepared_dataloader
 from titan_core.data.tokenizer import Tokenizer
-from titan_core.errors import DataError
+from titan_core.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,11 @@ class TextPackingDataset(IterableDataset):
         self.infinite = infinite
         self._epoch = 0
         self._position = 0  # rows of this rank's stream consumed in the current epoch
-        self._buffer: list[int] = []
-        self._offset = 0  # tokens of _buffer already yielded; trimmed lazily to avoid O(n^2)
+        # Tokens of the document at row _position - 1 already packed; -1: none pending. At a
+        # yield the chunk took every earlier token, so (epoch, position, doc offset) is the
+        # whole state: a resume re-reads that one document.
+        self._doc_offset = -1
+        self._carry: list[int] = []  # tokens of a chunk being filled (only between yields)
         self._state_loaded = False
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,42 +66,51 @@ class TextPackingDataset(IterableDataset):
     def _pass(self) -> Generator[tuple[torch.Tensor, torch.Tensor], None, int]:
         """Yield chunks from the current position to the end of the source; return the doc count."""
         chunk_len = self.seq_len + 1
-        stream = self.source.iter_from(self._position)
+        resume = self._doc_offset >= 0  # re-read the partly packed document first
+        stream = self.source.iter_from(self._position - 1 if resume else self._position)
         num_docs = 0
         for text in stream:
             num_docs += 1
-            self._buffer = self._buffer[self._offset :]
-            self._offset = 0
-            self._buffer += self.tokenizer.encode(text, bos=True, eos=True)
+            doc = self.tokenizer.encode(text, bos=True, eos=True)
+            offset = self._doc_offset if resume else 0
+            resume = False
             self._position = stream.position
-            while len(self._buffer) - self._offset >= chunk_len:
-                start = self._offset
+            while len(self._carry) + len(doc) - offset >= chunk_len:
+                take = chunk_len - len(self._carry)
+                chunk = torch.tensor(self._carry + doc[offset : offset + take], dtype=torch.long)
                 # Advance before yielding: a state_dict() taken now must exclude this chunk.
-                self._offset += chunk_len
-                chunk = torch.tensor(self._buffer[start : start + chunk_len], dtype=torch.long)
+                offset += take
+                self._carry, self._doc_offset = [], offset
                 yield chunk[:-1], chunk[1:]
+            self._carry += doc[offset:]
+            self._doc_offset = -1
         return num_docs
 
     def _rewind(self) -> None:
-        self._position, self._buffer, self._offset = 0, [], 0
+        self._position, self._doc_offset, self._carry = 0, -1, []
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, rows consumed and leftover tokens: resuming yields the exact next token."""
-        return {
+        """Epoch, rows consumed and the offset in the partly packed document, as int64 tensors
+        (and the skip counters): resuming yields the exact next token, no pickle needed."""
+        assert not self._carry, "state taken mid-chunk (only between yields is it whole)"
+        state = {
             "epoch": self._epoch,
             "position": self._position,
-            "buffer": self._buffer[self._offset :],
-            "stats": dict(self.source.stats),
+            "doc_offset": self._doc_offset,
+            **{f"stats_{k}": v for k, v in self.source.stats.items()},
         }
+        return {k: torch.tensor(v, dtype=torch.int64) for k, v in state.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a state_dict() of a dataset over the same source and tokenizer."""
-        self._epoch = state["epoch"]
-        self._position = state["position"]
-        self._buffer = list(state["buffer"])
-        self._offset = 0
+        self._epoch = int(state["epoch"])
+        self._position = int(state["position"])
+        self._doc_offset = int(state["doc_offset"])
+        self._carry = []
         self._state_loaded = True
-        self.source.stats.update(state.get("stats", {}))
+        for key in self.source.stats:
+            if f"stats_{key}" in state:
+                self.source.stats[key] = int(state[f"stats_{key}"])
 
 
 class ParallelAwareDataloader(Stateful):
@@ -108,8 +121,8 @@ class ParallelAwareDataloader(Stateful):
     dp world size) and takes local_batch_size / k rows from each, in order. With num_streams
     fixed, any DP degree that divides it — a single process included — sees the same samples.
 
-    state_dict() is keyed by stream ({"dp_rank_S": pickled state}) so that each rank restores its
-    own streams from a DCP checkpoint holding every rank's entries.
+    state_dict() is keyed by stream ({"dp_rank_S": {name: int64 tensor}}) so that each rank
+    restores its own streams from a DCP checkpoint holding every rank's entries.
     """
 
     def __init__(
@@ -164,10 +177,15 @@ class ParallelAwareDataloader(Stateful):
                 total[key] = total.get(key, 0) + value
         return total
 
+    def metrics(self) -> dict[str, float]:
+        """Data metrics to log: none for raw text (the prepared loader reports its mix)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
-        """{"dp_rank_S": pickle of stream S's dataset state plus the stream count}."""
+        """{"dp_rank_S": stream S's dataset state plus the stream count, as int64 tensors}."""
+        streams = torch.tensor(self.num_streams, dtype=torch.int64)
         return {
-            f"dp_rank_{sid}": pickle.dumps(ds.state_dict() | {"dp_world_size": self.num_streams})
+            f"dp_rank_{sid}": ds.state_dict() | {"num_streams": streams.clone()}
             for sid, ds in zip(self._stream_ids, self.datasets, strict=True)
         }
 
@@ -180,12 +198,13 @@ class ParallelAwareDataloader(Stateful):
             if key not in state_dict:
                 logger.warning("Dataloader state has no %s entry; starting from scratch", key)
                 continue
-            state = pickle.loads(state_dict[key])
-            if state.get("dp_world_size") != self.num_streams:
+            state = state_dict[key]
+            saved = int(state["num_streams"]) if "num_streams" in state else None
+            if saved != self.num_streams:
                 logger.warning(
                     "Dataloader state was saved with %s data streams, now %s; starting from "
                     "scratch",
-                    state.get("dp_world_size"),
+                    saved,
                     self.num_streams,
                 )
                 continue
@@ -206,12 +225,46 @@ def build_dataloader(
     dp_world_size: int = 1,
     infinite: bool = True,
     num_streams: int = 0,
-) -> ParallelAwareDataloader:
-    """Resolve the dataset for this dp rank's streams, check they have documents, and wrap them.
+    mix: list[tuple[str, float]] | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    verify: str = "size",
+    prefetch: int = 2,
+    cache_mb: int = 64,
+    document_masking: bool = False,
+) -> ParallelAwareDataloader | PreparedDataloader:
+    """The dataloader of a dataset for this dp rank.
 
-    ``num_streams`` (0 = ``dp_world_size``) must be a multiple of ``dp_world_size`` whose
-    per-rank share divides ``local_batch_size``.
+    A prepared dataset (``dataset_path or dataset`` holds a manifest) or a ``mix`` of prepared
+    datasets [(url, weight)] gets the prepared loader (``titan_core.data.reader``: ``shuffle``,
+    ``seed``, ``verify``, ``prefetch``, ``cache_mb``, ``document_masking`` apply, and
+    ``num_streams`` does not: any DP degree sees the same global batches). Raw text is
+    tokenized here: ``num_streams`` (0 = ``dp_world_size``) must be a multiple of
+    ``dp_world_size`` whose per-rank share divides ``local_batch_size``.
     """
+    location = dataset_path or dataset
+    if mix or shards.is_prepared(location):
+        return build_prepared_dataloader(
+            list(mix or [(location, 1.0)]),
+            split=split,
+            fingerprint=tokenizer.fingerprint,
+            local_batch_size=local_batch_size,
+            seq_len=seq_len,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            infinite=infinite,
+            shuffle=shuffle,
+            seed=seed,
+            verify=verify,
+            prefetch=prefetch,
+            cache_mb=cache_mb,
+            document_masking=document_masking,
+        )
+    if document_masking:
+        raise ConfigError(
+            f"training.document_masking: needs a prepared dataset (titan data prepare), got "
+            f"{location!r}"
+        )
     num_streams = num_streams or dp_world_size
     if num_streams % dp_world_size or local_batch_size % (num_streams // dp_world_size):
         raise DataError(

@@ -1,11 +1,17 @@
-"""Grouped-query causal self-attention on top of ``F.scaled_dot_product_attention``."""
+"""Grouped-query causal self-attention on top of ``F.scaled_dot_product_attention`` (and of
+flex attention for document masks on CUDA)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from titan_core.models.common.masking import AttentionMask
 from titan_core.models.common.rope import apply_rotary_emb
 
 
@@ -23,13 +29,26 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     )
 
 
+@cache
+def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    # Uncompiled, flex attention runs an unfused reference: compiled once, on first use.
+    return torch.compile(flex_attention)
+
+
 class ScaledDotProductAttention(nn.Module):
     """Causal SDPA as its own module, so context parallelism and activation checkpointing can
     recognise and wrap the single op call."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attend (bs, heads, seq, head_dim) inputs causally; returns the same shape as ``q``."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask = None
+    ) -> torch.Tensor:
+        """Attend (bs, heads, seq, head_dim) inputs causally, or within the allowed pairs of
+        ``mask`` (see ``masking``); returns the same shape as ``q``."""
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if isinstance(mask, BlockMask):
+            return _compiled_flex_attention()(q, k, v, block_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class Attention(nn.Module):
@@ -52,8 +71,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """Map x (bs, seq, dim) to (bs, seq, dim); ``freqs_cis`` has >= seq rows (see rope)."""
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None
+    ) -> torch.Tensor:
+        """Map x (bs, seq, dim) to (bs, seq, dim); ``freqs_cis`` has >= seq rows, or one per
+        token (see rope); ``mask`` None is causal, else a document mask (see ``masking``)."""
         bs, seq, _ = x.shape
         # -1 for the head count: under tensor parallelism each rank holds only its local heads.
         xq = self.wq(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, n_heads, hd)
@@ -62,7 +84,9 @@ class Attention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         keys = repeat_kv(xk, self.n_rep)  # (bs, seq, n_heads, hd)
         values = repeat_kv(xv, self.n_rep)  # (bs, seq, n_heads, hd)
-        out = self.sdpa(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+        out = self.sdpa(
+            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask
+        )  # (bs, n_heads, seq, hd)
         out = out.transpose(1, 2).contiguous().view(bs, seq, -1)  # (bs, seq, n_heads * hd)
         return self.wo(out)
 

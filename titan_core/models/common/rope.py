@@ -54,14 +54,21 @@ def apply_rotary_emb(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (bs, seq, n_heads, head_dim) and k (bs, seq, n_kv_heads, head_dim) by position.
 
-    ``freqs_cis`` holds at least ``seq`` rows (the first ``seq`` are used), so callers may pass
-    the whole table: under sequence parallelism only attention sees the full sequence.
+    ``freqs_cis`` is either the table (>= ``seq`` rows, the first ``seq`` used, so callers may
+    pass the whole table: under sequence parallelism only attention sees the full sequence), or
+    one row per token (bs, seq, head_dim // 2) from ``freqs_at``.
     """
-    seq, half = xq.shape[1], xq.shape[-1] // 2
-    assert freqs_cis.shape[0] >= seq and freqs_cis.shape[1] == half, (
-        f"freqs_cis {tuple(freqs_cis.shape)} too small for {(seq, half)}"
-    )
-    freqs = freqs_cis[:seq].view(1, seq, 1, half)
+    bs, seq, half = xq.shape[0], xq.shape[1], xq.shape[-1] // 2
+    if freqs_cis.dim() == 3:  # per-token rows
+        assert freqs_cis.shape == (bs, seq, half), (
+            f"freqs_cis {tuple(freqs_cis.shape)} does not match {(bs, seq, half)}"
+        )
+        freqs = freqs_cis.view(bs, seq, 1, half)
+    else:
+        assert freqs_cis.shape[0] >= seq and freqs_cis.shape[1] == half, (
+            f"freqs_cis {tuple(freqs_cis.shape)} too small for {(seq, half)}"
+        )
+        freqs = freqs_cis[:seq].view(1, seq, 1, half)
     # Rotation in fp32 even under bf16 autocast/FSDP mixed precision: angles at long positions
     # lose too much precision otherwise.
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], half, 2))
@@ -69,3 +76,9 @@ def apply_rotary_emb(
     xq_out = torch.view_as_real(xq_ * freqs).flatten(3)  # (bs, seq, n_heads, head_dim)
     xk_out = torch.view_as_real(xk_ * freqs).flatten(3)  # (bs, seq, n_kv_heads, head_dim)
     return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def freqs_at(freqs_cis: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows of the table ``freqs_cis`` (end, head_dim // 2) at ``positions`` (bs, seq):
+    (bs, seq, head_dim // 2), for ``apply_rotary_emb`` when positions differ per sample."""
+    return freqs_cis[positions]

@@ -10,10 +10,14 @@ from torch import nn
 from titan_core.errors import ConfigError
 from titan_core.models.common import (
     Attention,
+    AttentionMask,
     FeedForward,
     RMSNorm,
     RopeScaling,
+    document_mask,
+    document_positions,
     ffn_hidden_dim,
+    freqs_at,
     precompute_freqs_cis,
 )
 
@@ -37,6 +41,8 @@ class TransformerModelArgs:
     max_seq_len: int = 8192
     tie_word_embeddings: bool = False
     depth_init: bool = True
+    document_positions: bool = False
+    """When ``forward`` gets ``doc_ids``: RoPE positions restart at 0 at each document start."""
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads != 0:
@@ -101,9 +107,12 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """Map (bs, seq, dim) to (bs, seq, dim)."""
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None
+    ) -> torch.Tensor:
+        """Map (bs, seq, dim) to (bs, seq, dim); ``mask`` None is causal attention."""
+        # mask by keyword: tensor parallelism prepares the positional inputs only.
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -168,8 +177,12 @@ class Transformer(nn.Module):
                 self.output.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std
             )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Map token ids (bs, seq) int64 — or hidden states in a later pipeline stage — onward."""
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Map token ids (bs, seq) int64 — or hidden states in a later pipeline stage — onward.
+
+        ``doc_ids`` (bs, seq) numbers the documents packed in each sample: attention then stays
+        within each document, and with ``document_positions`` RoPE restarts at each one.
+        """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1]
         if seq > self.freqs_cis.shape[0]:
@@ -179,7 +192,12 @@ class Transformer(nn.Module):
             )
         # The whole table: attention uses its first rows. Under sequence parallelism ``seq`` here
         # is this rank's slice, while attention sees (and rotates) the full sequence.
+        freqs_cis, mask = self.freqs_cis, None
+        if doc_ids is not None:  # built once, shared by every layer
+            mask = document_mask(doc_ids)
+            if self.model_args.document_positions:  # one row per token: (bs, seq, hd // 2)
+                freqs_cis = freqs_at(self.freqs_cis, document_positions(doc_ids))
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)  # (bs, seq, dim)
+            h = layer(h, freqs_cis, mask=mask)  # (bs, seq, dim)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h  # (bs, seq, vocab)
