@@ -104,6 +104,11 @@ def where_to_look(result: dict[str, Any], prefect_home: str) -> str:
         f"pipeline: run {result['run_id']} done; artifacts in {result['run_root']}",
         f"  Hugging Face export: {result['hf']}   eval report: {result['eval_report']}",
     ]
+    if result.get("dataset"):
+        lines.append(
+            f"  prepared dataset: {result['dataset']} ({result['dataset_train_shards']} train "
+            f"shards, {result['dataset_train_tokens']:,} train tokens)"
+        )
     if result.get("model_version"):
         role = "champion" if result.get("champion") else "not champion"
         lines.append(

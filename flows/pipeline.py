@@ -1,4 +1,5 @@
-"""``pretrain_pipeline``: config → tokenizer → preflight → seed → train → export → eval → publish.
+"""``pretrain_pipeline``: config → tokenizer → [prepare_data] → preflight → seed → train → export
+→ eval → publish.
 
 Every stage is a task in ``tasks/`` passing URLs; this module only composes them. Stages that
 need a service come in the order of need, so a bad tracking URI, storage URL or tokenizer source
@@ -14,6 +15,14 @@ from prefect import flow
 
 from flows.config import resolve_job, run_config
 from tasks.convert import convert_to_hf
+from tasks.data import (
+    PreparedData,
+    is_stored,
+    prepare_data,
+    prepare_params,
+    record_dataset,
+    train_on,
+)
 from tasks.evaluate import evaluate
 from tasks.preflight import preflight
 from tasks.publish import publish
@@ -59,6 +68,16 @@ def train_and_publish(
         paths.run_root, checkpoint, hf_url, evaluation, tracking, cfg.tracking.registered_model
     )
     return {**summary, "tracking_uri": tracking.uri if tracking else ""}
+
+
+def prepare_stage(cfg: JobConfig, paths: RunPaths, tokenizer_url: str) -> PreparedData | None:
+    """The ``prepare_data`` stage when the config names ``data.sources`` (cached: a rerun with
+    the same sources and tokenizer tokenizes nothing); records the dataset in the run root."""
+    if not cfg.data.sources:
+        return None
+    prepared = cached(prepare_data, is_stored, **prepare_params(cfg, tokenizer_url))
+    record_dataset(paths.run_root, prepared)
+    return prepared
 
 
 def run_tracked(
@@ -109,7 +128,10 @@ def pretrain_pipeline(
             attempts=cfg.storage.retries,
             progress=cfg.storage.progress,
         )
+        prepared = prepare_stage(cfg, paths, tokenizer_url)
         job = run_config(cfg, paths, tokenizer_url)
+        if prepared is not None:
+            job = train_on(job, prepared)
         summary = preflight(to_toml(job), paths.config)
         seed_url = cached(
             create_seed_checkpoint,
@@ -117,8 +139,9 @@ def pretrain_pipeline(
             config_url=paths.config,
             identity=seed_identity(job, summary["model_args"]),
         )
-        return train_and_publish(
+        result = train_and_publish(
             job, paths, tracking, seed_url=seed_url, eval_batches=eval_batches
         ) | {"tokenizer": tokenizer_url, "seed": seed_url, "preflight": summary}
+        return result | (prepared.summary() if prepared else {})
 
     return run_tracked(cfg, paths, body)

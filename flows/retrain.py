@@ -5,6 +5,10 @@ complete checkpoint among them (by commit time) seeds a new run that trains ``st
 steps with the previous run's config (plus any overrides, e.g. new data), is exported and
 evaluated, and becomes a new model version; the ``champion`` alias moves to it only when its
 eval loss beats the champion's.
+
+With ``data.sources`` the run prepares them first (``prepare_data``: only files that arrived since
+are tokenized) and trains on the prepared dataset; when it grew since the checkpoint's run, the
+new run starts a fresh pass over all of it instead of the old pass's data position.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from typing import Any
 from prefect import flow
 
 from flows.config import resolve_job, run_config
-from flows.pipeline import run_tracked, train_and_publish
+from flows.pipeline import prepare_stage, run_tracked, train_and_publish
+from tasks.data import dataset_grew, train_on
 from tasks.preflight import preflight
 from tasks.runs import find_latest_checkpoint, prepare_storage
 from tasks.storage import RunPaths, absolute, configure_credentials, new_run_id
@@ -25,12 +30,19 @@ from titan_core.config.manager import to_toml
 
 
 def continued_config(
-    cfg: JobConfig, latest: dict[str, Any], previous: JobConfig, steps: int
+    cfg: JobConfig,
+    latest: dict[str, Any],
+    previous: JobConfig,
+    steps: int,
+    *,
+    new_data: bool = False,
 ) -> JobConfig:
-    """``cfg`` loading ``latest`` and training ``steps`` steps past it."""
+    """``cfg`` loading ``latest`` and training ``steps`` steps past it (``new_data``: the same
+    prepared dataset grew since, so training continues on all of it)."""
     model_only = latest["model_only"]
     excluded = list(cfg.checkpoint.exclude_from_loading)
-    if cfg.training.dataset != previous.training.dataset and "dataloader" not in excluded:
+    changed = new_data or cfg.training.dataset != previous.training.dataset
+    if changed and "dataloader" not in excluded:
         excluded.append("dataloader")  # new data: its position in the old data means nothing
     return dataclasses.replace(
         cfg,
@@ -84,9 +96,15 @@ def retrain(
     def body(tracking: TrackingContext | None) -> dict[str, Any]:
         """The stages inside the parent MLflow run."""
         prepare_storage(paths, cfg.storage.credentials_block)
-        job = continued_config(run_config(cfg, paths, cfg.tokenizer.path), latest, previous, steps)
+        prepared = prepare_stage(cfg, paths, cfg.tokenizer.path)
+        job = run_config(cfg, paths, cfg.tokenizer.path)
+        if prepared is not None:
+            job = train_on(job, prepared)
+        grew = prepared is not None and dataset_grew(latest["run_root"], prepared)
+        job = continued_config(job, latest, previous, steps, new_data=grew)
         preflight(to_toml(job), paths.config)
         result = train_and_publish(job, paths, tracking, seed_url="", eval_batches=eval_batches)
-        return result | {"continued_from": latest["step_dir"]}
+        extra = (prepared.summary() | {"dataset_grew": grew}) if prepared else {}
+        return result | {"continued_from": latest["step_dir"], **extra}
 
     return run_tracked(cfg, paths, body)

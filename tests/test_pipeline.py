@@ -5,7 +5,7 @@ One model line on S3 is trained three times and inspected by most tests:
   1. ``first_run``: pretrain_pipeline, 2 processes, tokenizer from ``hf://`` behind a token;
   2. ``second_run``: the same config again: cached tokenizer and seed, and training killed
      (SIGKILL) mid-save on its first attempt, so the retry must resume;
-  3. ``retrained``: the retrain flow continuing the line.
+  3. ``retrained``: the retrain flow continuing the line on newly arrived data (prepare_data).
 """
 
 from __future__ import annotations
@@ -331,17 +331,26 @@ def test_secrets_never_reach_logs_params_artifacts_or_configs(
 
 
 def test_retrain_continues_line_and_moves_champion_only_if_better(
-    second_run: dict, line: dict
+    second_run: dict, line: dict, s3_server: Any, assets: Path, tmp_path: Path
 ) -> None:
     from flows.retrain import retrain
 
+    # New data arrives with the retrain: a local folder, prepared on S3 (the line's data root).
+    lines = (assets / "corpus" / "train" / "part-0001.jsonl").read_text().splitlines()
+    (tmp_path / "newdata").mkdir()
+    for i, name in enumerate(["a.jsonl", "b.jsonl"]):
+        (tmp_path / "newdata" / name).write_text("\n".join(lines[i * 40 : (i + 1) * 40]) + "\n")
     client = _client(line)
     before = client.get_model_version_by_alias(EXPERIMENT, "champion")
-    state, _ = run_flow(
+    state, flow_run_id = run_flow(
         retrain,
         steps=2,
         experiment=EXPERIMENT,
-        overrides=["--launch.nproc_per_node", "1", "--launch.retry_delay_seconds", "0"],
+        overrides=[
+            *["--launch.nproc_per_node", "1", "--launch.retry_delay_seconds", "0"],
+            *["--data.sources", str(tmp_path / "newdata"), "--data.validation_every", "5"],
+            *["--data.workers", "1"],
+        ],
         storage_root=line["storage"],
         tracking_uri=line["tracking"],
         eval_batches=2,
@@ -356,3 +365,18 @@ def test_retrain_continues_line_and_moves_champion_only_if_better(
     assert result["champion"] == (new_loss < old_loss)
     expected = result["model_version"] if result["champion"] else before.version
     assert str(after.version) == str(expected)
+    # The prepare_data stage ran (one shard task per file) before preflight, and the run trained
+    # on the prepared dataset: its config names it, its dataset.json records it.
+    runs = task_runs(flow_run_id)
+    names = list(runs)
+    shard_tasks = ["tokenize_shard[newdata/a.jsonl]", "tokenize_shard[newdata/b.jsonl]"]
+    assert names.index("prepare_data") < names.index("preflight")
+    assert sorted(n for n in names if n.startswith("tokenize_shard")) == shard_tasks
+    assert all(r.state.is_completed() for n in ["prepare_data", *shard_tasks] for r in runs[n])
+    assert result["dataset"].startswith(line["storage"] + "/data/")
+    assert result["dataset_train_shards"] == 2 and result["dataset_grew"] is False
+    fs = s3_server.filesystem()
+    config = fs.cat(result["run_root"].removeprefix("s3://") + "/config.toml").decode()
+    assert f'dataset = "{result["dataset"]}"' in config
+    record = json.loads(fs.cat(result["run_root"].removeprefix("s3://") + "/dataset.json"))
+    assert record["url"] == result["dataset"] and record["train_shards"] == 2

@@ -189,6 +189,11 @@ def test_titan_demo_runs_the_pipeline_with_embedded_prefect(tmp_path: Path, asse
     assert (run_root / "hf" / "model.safetensors.index.json").exists()
     assert complete_steps(str(run_root / "checkpoint")) == [2]
     assert (tmp_path / "prefect" / "prefect.db").exists()  # the embedded server's database
+    # The bundled corpus was prepared as a stage of its own and trained on from the shards.
+    (dataset,) = (out / "data").iterdir()
+    assert (dataset / "manifest.json").exists()
+    assert f"prepared dataset: {dataset} (8 train shards" in proc.stdout
+    assert f'dataset = "{dataset}"' in (run_root / "config.toml").read_text()
 
 
 def test_s3_credentials_from_a_prefect_secret_block(
