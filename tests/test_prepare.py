@@ -150,8 +150,11 @@ def test_zstd_files(tmp_path: Path, tok_path: str, tok: Tokenizer) -> None:
     zstandard = pytest.importorskip("zstandard")
     data = "".join(json.dumps({"text": d}) + "\n" for d in DOCS[:5]).encode()
     (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
-    result = prepare(_spec(tmp_path / "data", tok_path, tmp_path / "a.jsonl.zst"), workers=1)
-    assert _split_docs(result.url, "train") == _encoded(tok, DOCS[:5])
+    text = "\n\n".join(DOCS[5:8]).encode()  # .txt: blank-line-separated documents
+    (tmp_path / "b.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(text))
+    spec = _spec(tmp_path / "data", tok_path, tmp_path / "a.jsonl.zst", tmp_path / "b.txt.zst")
+    result = prepare(spec, workers=1)
+    assert _split_docs(result.url, "train") == _encoded(tok, DOCS[:8])
 
 
 def test_validation_rule_holds_out_every_nth_document_of_each_file(

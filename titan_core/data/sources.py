@@ -20,6 +20,7 @@ DataError naming the field and the file.
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import json
 import os
@@ -281,7 +282,13 @@ def _parquet_documents(url: str, text_field: str, stats: dict[str, int]) -> Iter
 
 def raw_rows(file: str) -> Iterator[tuple[str, Any]]:
     """(kind, raw) per row: ("txt", block bytes), ("jsonl", line bytes) or ("row", parsed row)."""
-    with fsspec.open(file, "rb", compression="infer") as f:
+    with fsspec.open(file, "rb", compression="infer") as raw:
+        # zstd's stream reader has no readline/line iteration: buffer every decompressor alike.
+        f = (
+            raw
+            if hasattr(raw, "readline") and not file.endswith(".zst")
+            else io.BufferedReader(raw)
+        )
         if strip_compression(file).endswith(".txt"):
             yield from (("txt", block) for block in txt_blocks(f))
             return
