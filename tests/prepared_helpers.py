@@ -50,7 +50,7 @@ def write_docs(
         tokenizer=tokenizer,
         dtype=dtype.str,
         text_field="text",
-        sources=["test"],
+        sources=[url],  # metric names of a mix start with the folder name
         validation={"rule": "every_nth_document", "every": 10 if validation else 0},
         shards=infos,
     )

@@ -82,7 +82,7 @@ class PreparedDataloader(Stateful):
         self.prefetch = prefetch
         self.document_masking = document_masking
         self.seq_len = readers[0].seq_len
-        self.names = _names([r.url for r in readers])
+        self.names = _names(readers)
         self._ids = [derive_key(r.manifest.fingerprint) >> 2 for r in readers]  # fits int64
         self._cursors = self._fresh()
         self._orders: dict[tuple[int, int, int], Permutation | Identity] = {}
@@ -292,9 +292,13 @@ def _t(value: int) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.int64)
 
 
-def _names(urls: list[str]) -> list[str]:
-    """Short metric names: the dataset folders' names, numbered where they repeat."""
-    names = [u.rstrip("/").rsplit("/", 1)[-1] or u for u in urls]
+def _names(readers: list[SplitReader]) -> list[str]:
+    """Short metric names a person can read: the first source's name and the dataset's
+    fingerprint prefix (``train-1f0c2a``), numbered where they still repeat."""
+    names = []
+    for r in readers:
+        source = (r.manifest.sources or [r.url])[0].split("?")[0].rstrip("/")
+        names.append(f"{source.rsplit('/', 1)[-1] or 'data'}-{r.manifest.fingerprint[:6]}")
     return [n if names.count(n) == 1 else f"{i}-{n}" for i, n in enumerate(names)]
 
 
