@@ -512,3 +512,16 @@ def test_a_unit_checks_its_file_and_tokenizer(tmp_path: Path, tok_path: str) -> 
     _jsonl(tmp_path / "a.jsonl", DOCS[:4])
     with pytest.raises(DataError, match=r"a.jsonl: changed while being prepared"):
         tokenize_unit(unit, **plan.unit_kwargs())
+
+
+def test_symlinked_files_in_a_source_folder_are_read(
+    tmp_path: Path, tok_path: str, tok: Tokenizer
+) -> None:
+    (tmp_path / "real").mkdir()
+    _jsonl(tmp_path / "real" / "a.jsonl", DOCS[:4])
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "a.jsonl").symlink_to(tmp_path / "real" / "a.jsonl")
+    result = prepare(_spec(tmp_path / "data", tok_path, tmp_path / "links"), workers=1)
+    assert _split_docs(result.url, "train") == _encoded(tok, DOCS[:4])
+    (file,) = result.manifest.files
+    assert file.size == (tmp_path / "real" / "a.jsonl").stat().st_size  # the target's identity

@@ -132,6 +132,11 @@ def list_source(source: str) -> list[SourceFile]:
             found = {root: info}
         else:
             found = fs.find(root, detail=True)
+            # A symlinked file is listed as "other" (lstat): follow it, as reading it will.
+            found = {
+                p: fs.info(p) if i.get("islink") and i.get("type") != "file" else i
+                for p, i in found.items()
+            }
     files = [
         SourceFile(
             unit="",

@@ -11,6 +11,7 @@ anything reads it (``check_prepared``: manifest, tokenizer, shard files, enough 
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections import OrderedDict
 from typing import Any
@@ -31,12 +32,25 @@ def is_local(fs: Any) -> bool:
 
 
 class LocalFiles:
-    """Reads byte ranges of local files through memory maps (an LRU of open maps)."""
+    """Reads byte ranges of local files through memory maps (an LRU of open maps).
 
-    def __init__(self) -> None:
+    Resident memory stays bounded whatever the dataset's size: a page fault on a file mapping
+    maps (and, with the device's read-ahead, reads) far more than the window it serves, so
+    shuffled reads ask for no read-around (``MADV_RANDOM``), and every ``budget_bytes`` of
+    windows the pages mapped so far are unmapped (``MADV_DONTNEED``: they stay in the page
+    cache, the next fault maps them again without I/O).
+    """
+
+    def __init__(self, budget_bytes: int = 64 << 20, sequential: bool = False) -> None:
         self._maps: OrderedDict[str, np.memmap] = OrderedDict()
         self.bytes_read = 0
         self.requests = 0
+        # Counted per window at the largest page-cache folio a fault may map (2 MiB) when
+        # shuffled: resident file pages stay under about the budget.
+        self._cost = 2 << 20
+        self._budget = budget_bytes
+        self._sequential = sequential
+        self._mapped = 0
 
     def array(self, path: str, dtype: np.dtype) -> np.ndarray:
         """The whole file as a read-only array (mapped, not read)."""
@@ -46,6 +60,8 @@ class LocalFiles:
             if os.path.getsize(path) == 0:
                 return np.zeros(0, dtype=dtype)
             found = self._maps[key] = np.memmap(path, dtype=dtype, mode="r")
+            if not self._sequential and hasattr(mmap, "MADV_RANDOM"):
+                found._mmap.madvise(mmap.MADV_RANDOM)
             if len(self._maps) > _MAX_OPEN_MAPS:
                 self._maps.popitem(last=False)
         else:
@@ -56,7 +72,18 @@ class LocalFiles:
         """``[path, dtype, first, end)`` element ranges, copied out of the maps."""
         out = [np.array(self.array(p, dt)[lo:hi]) for p, dt, lo, hi in requests]
         self.bytes_read += sum(a.nbytes for a in out)
+        cost = sum(a.nbytes for a in out) if self._sequential else len(out) * self._cost
+        self._mapped += cost
+        if self._mapped > self._budget:
+            self.unmap()
         return out
+
+    def unmap(self) -> None:
+        """Drop this process's mappings of the pages read so far (the page cache keeps them)."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            for found in self._maps.values():
+                found._mmap.madvise(mmap.MADV_DONTNEED)
+        self._mapped = 0
 
 
 class RemoteFiles:
@@ -173,7 +200,7 @@ class SplitReader:
         ]
         self._paths: list[tuple[str, str]] = paths  # type: ignore[assignment]
         if is_local(fs):
-            self.files: LocalFiles | RemoteFiles = LocalFiles()
+            self.files: LocalFiles | RemoteFiles = LocalFiles(cache_mb << 20, sequential)
         else:
             sizes = {}
             for (tokens, docs), s in zip(self._paths, self.shards, strict=True):
