@@ -247,3 +247,27 @@ def test_masking_with_pp_or_cp_is_refused(flags: list[str]) -> None:
     check_job(parse_args(base), world_size=2)  # the layout itself is valid
     with pytest.raises(ConfigError, match=r"^training\.document_masking: .*pipeline"):
         check_job(parse_args([*base, "--training.document_masking"]), world_size=2)
+
+
+def test_evaluation_masks_like_training() -> None:
+    """``titan eval``'s metrics pass doc_ids on: the loss of masked batches is the masked
+    forward's loss, and differs from scoring the same batches unmasked."""
+    from titan_core.evaluate.evaluator import compute_metrics
+
+    model, _ = _build()
+    gen = torch.Generator().manual_seed(3)
+    inputs = torch.randint(2, 2000, (2, SEQ), generator=gen)
+    labels = torch.randint(2, 2000, (2, SEQ), generator=gen)
+    doc_ids = torch.cat([_doc_ids([20, 30, 14]), _doc_ids([5, 59])])
+    byte_lengths = torch.ones(2304, dtype=torch.long)
+    metrics = {
+        name: compute_metrics(model, batches, byte_lengths, device=torch.device("cpu"))
+        for name, batches in (
+            ("masked", [(inputs, labels, doc_ids)]),
+            ("plain", [(inputs, labels)]),
+        )
+    }
+    with torch.no_grad():
+        expected = cross_entropy_loss(model(inputs, doc_ids=doc_ids), labels).item()
+    assert metrics["masked"].loss == pytest.approx(expected, rel=1e-6)
+    assert abs(metrics["masked"].loss - metrics["plain"].loss) > 1e-4

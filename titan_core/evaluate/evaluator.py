@@ -54,7 +54,7 @@ from titan_core.evaluate.loading import (
 from titan_core.evaluate.report import build_report, write_report
 from titan_core.logging import logger
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (inputs, labels), plus doc_ids under document masking
 
 
 @dataclass
@@ -105,6 +105,10 @@ def validation_loader(cfg: JobConfig, tokenizer: Tokenizer) -> Iterable[Batch]:
         local_batch_size=data["local_batch_size"],
         seq_len=data["seq_len"],
         infinite=False,
+        # A prepared dataset: the same checks, and the same masking the model was trained with.
+        verify=cfg.training.dataset_verify,
+        cache_mb=cfg.training.dataset_cache_mb,
+        document_masking=cfg.training.document_masking,
     )
 
 
@@ -148,9 +152,11 @@ def compute_metrics(
     nats = torch.zeros((), dtype=torch.float64, device=device)
     num_tokens = num_bytes = num_batches = 0
     start = time.perf_counter()
-    for (inputs, labels), counts in rank_batches(batches, rank, world):
+    for (inputs, labels, *doc_ids), counts in rank_batches(batches, rank, world):
+        # doc_ids (bs, seq) come with document masking: attention stays inside documents.
+        masking = {"doc_ids": doc_ids[0].to(device)} if doc_ids else {}
         with autocast_context(device, autocast_dtype):
-            logits = model(inputs.to(device))  # (bs, seq, vocab)
+            logits = model(inputs.to(device), **masking)  # (bs, seq, vocab)
         if not counts:
             continue
         loss_sum = F.cross_entropy(
