@@ -346,6 +346,18 @@ def test_training_from_s3_reads_ranges(
     assert [int(h["step"]) for h in history] == [1, 2, 3]
     assert _shard_bytes_fetched(requests) < size / 20, size
     assert not [t for t in threading.enumerate() if t.name == "titan-data-prefetch"]
+    # Credentials are enforced: a wrong secret is one line before anything trains.
+    from s3_server import clear_fsspec_s3_cache
+
+    from titan_core.build import check_job
+
+    s3_server.set_env(monkeypatch, secret_key="wrong-secret")
+    clear_fsspec_s3_cache()
+    cfg = parse_args([*argv, "--training.dataset", url, "--validation.no_enable"])
+    with pytest.raises(DataError) as info:
+        check_job(cfg, 1)
+    assert len(str(info.value).splitlines()) == 1 and url in str(info.value), info.value
+    assert "wrong-secret" not in str(info.value)
 
 
 # --- bad data, before training -------------------------------------------------------------------

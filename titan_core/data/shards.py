@@ -16,10 +16,12 @@ local disks; S3 puts are atomic per object).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import posixpath
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -138,14 +140,48 @@ def shard_urls(dataset_url: str, shard: ShardInfo) -> tuple[str, str]:
 
 
 def is_prepared(location: str) -> bool:
-    """Whether ``location`` (path or URL) is a prepared dataset folder (has a manifest.json)."""
+    """Whether ``location`` (path or URL) is a prepared dataset folder (has a manifest.json).
+
+    Only "not found" means no: denied access or an unreachable store is a one-line DataError
+    (``fs.isfile`` would read every failure as "not a file", and a dataset on S3 with a wrong
+    secret would silently be taken for raw text)."""
     if not location or location.startswith("hf:"):
         return False
     try:
         fs, path = fsspec.core.url_to_fs(os.path.expanduser(location))
-        return fs.isfile(posixpath.join(path.rstrip("/"), MANIFEST))
-    except (OSError, ValueError, ImportError):
+    except (ValueError, ImportError):  # not a URL fsspec knows: a dataset name
         return False
+    with storage_errors(location):
+        try:
+            return fs.info(posixpath.join(path.rstrip("/"), MANIFEST))["type"] == "file"
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+
+@contextlib.contextmanager
+def storage_errors(where: str) -> Iterator[None]:
+    """Turn storage failures (denied access, network, S3 client errors) into one DataError line."""
+    try:
+        yield
+    except DataError:
+        raise
+    except FileNotFoundError as e:
+        raise DataError(f"{where}: file not found: {e.filename or e}") from None
+    except PermissionError as e:
+        raise DataError(
+            f"{where}: access denied ({e}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+        ) from None
+    except OSError as e:
+        raise DataError(f"{where}: {type(e).__name__}: {e.strerror or e}") from None
+    except Exception as e:
+        if type(e).__module__.split(".")[0] not in ("botocore", "aiobotocore", "s3fs"):
+            raise
+        raise DataError(f"{where}: storage error {type(e).__name__}: {first_line(e)}") from None
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def read_manifest(dataset_url: str) -> Manifest:

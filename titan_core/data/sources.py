@@ -19,7 +19,6 @@ DataError naming the field and the file.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import itertools
 import json
@@ -32,7 +31,7 @@ from urllib.parse import parse_qsl, urlencode
 
 import fsspec
 
-from titan_core.data.shards import MANIFEST, SHARD_DIR, SourceFile
+from titan_core.data.shards import MANIFEST, SHARD_DIR, SourceFile, first_line, storage_errors
 from titan_core.errors import DataError
 
 DOC_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
@@ -62,37 +61,11 @@ def is_document_file(name: str) -> bool:
     return strip_compression(name).endswith(DOC_SUFFIXES)
 
 
-@contextlib.contextmanager
-def storage_errors(where: str) -> Iterator[None]:
-    """Turn storage failures (denied access, network, S3 client errors) into one DataError line."""
-    try:
-        yield
-    except DataError:
-        raise
-    except FileNotFoundError as e:
-        raise DataError(f"{where}: file not found: {e.filename or e}") from None
-    except PermissionError as e:
-        raise DataError(
-            f"{where}: access denied ({e}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
-        ) from None
-    except OSError as e:
-        raise DataError(f"{where}: {type(e).__name__}: {e.strerror or e}") from None
-    except Exception as e:
-        if type(e).__module__.split(".")[0] not in ("botocore", "aiobotocore", "s3fs"):
-            raise
-        raise DataError(f"{where}: storage error {type(e).__name__}: {_first_line(e)}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def filesystem(location: str) -> tuple[Any, str]:
     try:
         return fsspec.core.url_to_fs(os.path.expanduser(location))
     except (ValueError, ImportError) as e:  # unknown protocol / its package not installed
-        raise DataError(f"{location}: unknown source ({_first_line(e)})") from None
+        raise DataError(f"{location}: unknown source ({first_line(e)})") from None
 
 
 def _is_url(location: str) -> bool:
@@ -271,7 +244,7 @@ def _parquet_documents(url: str, text_field: str, stats: dict[str, int]) -> Iter
         try:
             parquet = pq.ParquetFile(f)
         except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{url}: not a readable parquet file ({_first_line(e)})") from None
+            raise DataError(f"{url}: not a readable parquet file ({first_line(e)})") from None
         schema = parquet.schema_arrow
         _FieldCheck(url, text_field).check_fields(schema.names)
         kind = schema.field(text_field).type
@@ -406,7 +379,7 @@ class HFSource:
         # all mean the same to the user: this source cannot be read.
         except Exception as e:
             raise DataError(
-                f"{self.canonical()}: unknown source, cannot load with `datasets`: {_first_line(e)}"
+                f"{self.canonical()}: unknown source, cannot load with `datasets`: {first_line(e)}"
             ) from None
         version = builder.hash or self.revision or ""
         return str(version), dataset
