@@ -34,6 +34,7 @@ from titan_core.data.prepare import (
     PrepareSpec,
     Unit,
     commit_prepare,
+    discard_on_failure,
     plan_prepare,
     tokenize_unit,
 )
@@ -305,10 +306,11 @@ def prepare_data(
         where,
         reused,
     )
-    results = tokenize_units(
-        plan, workers=workers, dask_address=dask_address, credentials_block=credentials_block
-    )
-    manifest = commit_prepare(plan, results)
+    with discard_on_failure(plan):  # a failed unit leaves no shard of this plan behind
+        results = tokenize_units(
+            plan, workers=workers, dask_address=dask_address, credentials_block=credentials_block
+        )
+        manifest = commit_prepare(plan, results)
     prepared = _summary(plan.url, manifest, sum(len(r) for r in results), reused)
     logger.info(
         "Prepared dataset %s: %d new shards; %d train shards, %s train and %s validation tokens",

@@ -131,7 +131,7 @@ def test_state_is_a_few_integers_and_resume_is_o1(small: tuple[str, list]) -> No
     loader = _loader(url)
     state = loader.state_dict()
     assert all(v.dtype == torch.int64 and v.dim() == 0 for v in state.values())
-    assert len(state) <= 8
+    assert len(state) <= 9
     num = loader.readers[0].num_samples()
     far = 10**9
     state |= {
@@ -493,3 +493,59 @@ def test_bad_prepared_data_stops_before_anything_is_written(
 
 def _tokenizer_info() -> dict:
     return shards.tokenizer_info(Tokenizer(str(_tokenizer_path())))
+
+
+def test_resume_with_new_mix_weights_meets_them_from_there(tmp_path: Path) -> None:
+    """New weights after a resume are met from the resume on (the lead a dataset built under
+    the old weights does not starve the other one)."""
+    urls = []
+    for i in range(2):
+        write_docs(str(tmp_path / f"ds{i}"), random_docs(10 + i, 3, 40))
+        urls.append(str(tmp_path / f"ds{i}"))
+    first = _loader(list(zip(urls, [0.5, 0.5])), local_batch_size=100, seq_len=8)
+    _take(first, 10)
+    resumed = _loader(list(zip(urls, [0.9, 0.1])), local_batch_size=100, seq_len=8)
+    resumed.load_state_dict(first.state_dict())
+    before = [c.count for c in resumed._cursors]
+    _take(resumed, 40)
+    drawn = [c.count - b for c, b in zip(resumed._cursors, before, strict=True)]
+    assert drawn == [3600, 400]
+    again = _loader(list(zip(urls, [0.9, 0.1])), local_batch_size=100, seq_len=8)
+    again.load_state_dict(resumed.state_dict())  # same weights: no rebase, exact continuation
+    assert again._cursors == resumed._cursors
+
+
+def test_resume_over_replaced_shards_is_refused(tmp_path: Path) -> None:
+    """A checkpoint's shard prefix must be the manifest's: a dataset re-prepared with other
+    shards (or in another order) is one line, not silently different data."""
+    url = str(tmp_path / "ds")
+    write_docs(url, random_docs(3, 3, 20))
+    loader = _loader(url)
+    _take(loader, 3)
+    state = loader.state_dict()
+    manifest = shards.read_manifest(url)
+    manifest.shards[0], manifest.shards[1] = manifest.shards[1], manifest.shards[0]
+    shards.write_manifest(url, manifest)
+    with pytest.raises(DataError, match="not the ones the checkpoint read"):
+        _loader(url).load_state_dict(state)
+
+
+def test_a_validation_split_smaller_than_one_global_batch_fails_before_launch(
+    corpus_pair: tuple[str, str],
+) -> None:
+    """check_job (run before torchrun starts) knows the DP degree: a validation split with
+    fewer samples than one validation batch over every rank is one line there."""
+    from titan_core.build import check_job
+    from titan_core.config.manager import parse_args
+
+    full, _ = corpus_pair
+    argv = [*TRAIN, "--training.dataset", full, "--validation.enable"]
+    cfg = parse_args([*argv, "--validation.local_batch_size", "4"])
+    check_job(cfg, 2)  # fits
+    tokens = sum(s.num_tokens for s in shards.read_manifest(full).split_shards("validation"))
+    samples = (tokens - 1) // 64  # every validation sample of the split (TRAIN's seq_len)
+    too_big = parse_args([*argv, "--validation.local_batch_size", str(samples)])
+    check_job(too_big, 1)
+    with pytest.raises(DataError, match="fewer than one validation batch") as info:
+        check_job(too_big, 2)
+    assert len(str(info.value).splitlines()) == 1

@@ -21,7 +21,7 @@ from titan_core.distributed import simulation
 from titan_core.distributed import utils as dist_utils
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.distributed.pipeline_parallel import PipelineRunner
-from titan_core.errors import ConfigError
+from titan_core.errors import ConfigError, DataError
 from titan_core.logging import logger
 from titan_core.models import get_flavor, get_model_spec
 from titan_core.models.llama3.parallelize import check_supported, parallelize_llama
@@ -67,7 +67,7 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> Any:
     return args
 
 
-def check_prepared_data(cfg: JobConfig, tokenizer: Tokenizer) -> None:
+def check_prepared_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int = 1) -> None:
     """Prepared datasets the job reads (training.dataset or dataset_mix, and validation's):
     manifest present, this job's tokenizer, shard sizes as listed (one listing per dataset),
     enough tokens for one sample. DataError naming the file; raw text is checked later."""
@@ -94,9 +94,18 @@ def check_prepared_data(cfg: JobConfig, tokenizer: Tokenizer) -> None:
                 f"{loc!r}"
             )
     for url, split in todo:
-        check_prepared(
+        manifest = check_prepared(
             url, split, fingerprint=tokenizer.fingerprint, seq_len=t.seq_len, verify="size"
         )
+        if split != "train":  # a validation pass runs whole global batches only
+            samples = (sum(s.num_tokens for s in manifest.split_shards(split)) - 1) // t.seq_len
+            batch = validation_data(cfg)["local_batch_size"] * dp_degree
+            if samples < batch:
+                raise DataError(
+                    f"{url}: the {split} split holds {samples} samples of {t.seq_len + 1} tokens, "
+                    f"fewer than one validation batch over the data-parallel ranks ({batch}); "
+                    "lower validation.local_batch_size or hold out more (data.validation_every)"
+                )
 
 
 def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer, Any]:
@@ -112,7 +121,7 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
             "(parallelism.pipeline_parallel_degree and context_parallel_degree must be 1)"
         )
     tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
-    check_prepared_data(cfg, tokenizer)
+    check_prepared_data(cfg, tokenizer, parallel_dims.dp_degree)
     get_model_spec(cfg.model.name)
     model_args = build_model_args(cfg, tokenizer.n_words)
     if parallel_dims.cp_enabled:

@@ -28,15 +28,18 @@ import multiprocessing
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
+
+import fsspec
 
 from titan_core.data.encode import SplitBuilder, cached_tokenizer, encode_documents
 from titan_core.data.shards import (
     FORMAT,
     FORMAT_VERSION,
+    SHARD_DIR,
     SPLITS,
     Manifest,
     ShardInfo,
@@ -414,6 +417,29 @@ def commit_prepare(plan: Plan, results: Sequence[list[ShardInfo]]) -> Manifest:
 MapFn = Callable[[Callable[[Unit], list[ShardInfo]], Sequence[Unit]], Iterable[list[ShardInfo]]]
 
 
+@contextlib.contextmanager
+def discard_on_failure(plan: Plan) -> Iterator[None]:
+    """Remove the shard files of ``plan``'s units when tokenizing or committing fails: units
+    that finished before another failed must not leave files the manifest does not list (a new
+    dataset's folder goes too when nothing else is in it)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # the failure itself is what the user must see
+            fs, root = fsspec.core.url_to_fs(plan.url)
+            for unit in plan.todo:
+                for split in SPLITS:
+                    for suffix in (".tokens", ".docs"):
+                        path = f"{root}/{SHARD_DIR}/{unit.file.unit}-{split}{suffix}"
+                        if fs.exists(path):
+                            fs.rm(path)
+            if not plan.exists:
+                for folder in (f"{root}/{SHARD_DIR}", root):
+                    if fs.isdir(folder) and not fs.ls(folder):
+                        fs.rmdir(folder)
+        raise
+
+
 def prepare(spec: PrepareSpec, *, workers: int = 0, map_fn: MapFn | None = None) -> PrepareResult:
     """Plan, tokenize the new units (``map_fn(fn, units)``, default a pool of ``workers``
     processes, 0 = every core; ``map`` runs them inline), commit."""
@@ -435,8 +461,9 @@ def prepare(spec: PrepareSpec, *, workers: int = 0, map_fn: MapFn | None = None)
     fn = functools.partial(tokenize_unit, **plan.unit_kwargs(), num_threads=threads)
     if map_fn is None:
         map_fn = functools.partial(process_map, processes=processes)
-    results = list(map_fn(fn, plan.todo))
-    manifest = commit_prepare(plan, results)
+    with discard_on_failure(plan):
+        results = list(map_fn(fn, plan.todo))
+        manifest = commit_prepare(plan, results)
     new = [s for shards in results for s in shards]
     return PrepareResult(
         url=plan.url,

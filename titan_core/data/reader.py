@@ -10,6 +10,7 @@ the same global sequence of samples.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -144,7 +145,8 @@ class PreparedDataloader(Stateful):
         cursors: tuple[Cursor, ...] = state
         start = sum(c.count for c in cursors)
         counts = [c.count for c in cursors]
-        sources = assign_sources(self.weights, counts, self.global_batch)  # (G,)
+        bases = [c.base for c in cursors]
+        sources = assign_sources(self.weights, counts, self.global_batch, bases)  # (G,)
         mine = slice(
             self.dp_rank * self.local_batch_size, (self.dp_rank + 1) * self.local_batch_size
         )
@@ -214,8 +216,18 @@ class PreparedDataloader(Stateful):
                 f"source{s}_consumed": _t(cursor.consumed),
                 f"source{s}_shards": _t(cursor.num_shards),
                 f"source{s}_count": _t(cursor.count),
+                f"source{s}_base": _t(cursor.base),
+                # The mix's weight (parts per 2^40) and which shards the epoch reads: a resume
+                # with other weights rebases the mix, one over other shards is refused.
+                f"source{s}_weight": _t(round(self.weights[s] * 2**40)),
+                f"source{s}_prefix": _t(self._prefix_key(s, cursor.num_shards)),
             }
         return out
+
+    def _prefix_key(self, source: int, num_shards: int) -> int:
+        """A 62-bit digest of the names and checksums of the first ``num_shards`` shards."""
+        shards = self.readers[source].shards[:num_shards]
+        return derive_key(*[(s.name, s.sha256_tokens) for s in shards]) >> 2
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict`` in O(1); a dataset whose id or seq_len differs starts
@@ -230,15 +242,15 @@ class PreparedDataloader(Stateful):
             )
             return
         cursors = list(self._fresh())
+        keys = ("id", "epoch", "consumed", "shards", "count", "base", "weight", "prefix")
+        rebase = False
         for s, reader in enumerate(self.readers):
-            get = {
-                k: int(state_dict[f"source{s}_{k}"])
-                for k in ("id", "epoch", "consumed", "shards", "count")
-            }
+            get = {k: int(state_dict[f"source{s}_{k}"]) for k in keys}
             if get["id"] != self._ids[s]:
                 logger.warning(
                     "Dataloader state is for another dataset than %s: starting it over", reader.url
                 )
+                rebase = True  # its count starts at 0: the others' lead must not starve it
                 continue
             if get["shards"] > len(reader.shards):
                 raise DataError(
@@ -246,11 +258,23 @@ class PreparedDataloader(Stateful):
                     f"{reader.split} shards, the manifest lists {len(reader.shards)} (prepared "
                     "datasets only grow: was it replaced?)"
                 )
+            if get["prefix"] != self._prefix_key(s, get["shards"]):
+                raise DataError(
+                    f"{reader.url}: its first {get['shards']} {reader.split} shards are not the "
+                    "ones the checkpoint read (the dataset was re-prepared or replaced); set "
+                    "--checkpoint.exclude_from_loading dataloader to start its order over"
+                )
+            rebase |= get["weight"] != round(self.weights[s] * 2**40)
             # A resume keeps the epoch's shard prefix; shards added since enter at the next epoch.
             # (Advanced from the epoch's start: a position past its end rolls over.)
-            start = Cursor(get["epoch"], 0, get["shards"], get["count"] - get["consumed"])
+            start = Cursor(
+                get["epoch"], 0, get["shards"], get["count"] - get["consumed"], get["base"]
+            )
             now, later = reader.num_samples(get["shards"]), reader.num_samples()
             cursors[s] = advance(start, get["consumed"], now, later, len(reader.shards))
+        if rebase and len(cursors) > 1:
+            logger.info("Dataset mix weights changed since the checkpoint: met from here on")
+            cursors = [dataclasses.replace(c, base=c.count) for c in cursors]
         self._cursors = tuple(cursors)
 
     # ------------------------------------------------------------------ reporting

@@ -78,17 +78,31 @@ class Identity:
         return np.asarray(positions, dtype=np.int64)
 
 
-def assign_sources(weights: list[float], counts: list[int], num: int) -> np.ndarray:
+def assign_sources(
+    weights: list[float], counts: list[int], num: int, bases: list[int] | None = None
+) -> np.ndarray:
     """Which dataset each of the next ``num`` global samples comes from; updates ``counts``.
 
-    Global sample j (j = sum of counts) goes to the dataset with the largest deficit
-    ``w_s * (j + 1) - count_s`` (ties to the lower index): every prefix of the sequence is
-    within one sample of the weights, and the sequence depends only on the counts.
+    Global sample j (counted from ``bases``, the counts when the weights last changed) goes to
+    the dataset with the largest deficit ``w_s * (j + 1) - (count_s - base_s)`` (ties to the
+    lower index): every prefix since the bases is within one sample of the weights, and the
+    sequence depends only on the counts and bases. Without a rebase, new weights would be met
+    over the whole run: a dataset ahead of its new share would get nothing for a long while.
     """
     out = np.zeros(num, dtype=np.int64)
     if len(weights) == 1:
         counts[0] += num
         return out
+    bases = bases or [0] * len(weights)
+    counts_since = [c - b for c, b in zip(counts, bases, strict=True)]
+    result = _assign(weights, counts_since, num)
+    for s, since in enumerate(counts_since):
+        counts[s] = bases[s] + since
+    return result
+
+
+def _assign(weights: list[float], counts: list[int], num: int) -> np.ndarray:
+    out = np.zeros(num, dtype=np.int64)
     j = sum(counts)
     for i in range(num):
         j += 1
@@ -112,6 +126,8 @@ class Cursor:
     num_shards: int = 0
     count: int = 0
     """Samples drawn from this dataset so far, over every epoch (for the mix)."""
+    base: int = 0
+    """``count`` when the mix's weights last changed: deficits are measured from there."""
 
 
 def locate(
@@ -147,4 +163,5 @@ def advance(
         consumed=rest % next_samples,
         num_shards=all_shards,
         count=count,
+        base=cursor.base,
     )
