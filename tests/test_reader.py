@@ -549,3 +549,29 @@ def test_a_validation_split_smaller_than_one_global_batch_fails_before_launch(
     with pytest.raises(DataError, match="fewer than one validation batch") as info:
         check_job(too_big, 2)
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_remote_doc_ids_read_offsets_by_range(tmp_path: Path) -> None:
+    """Document masking on a remote dataset: the same doc_ids as the local reader, from ranged
+    reads of the offsets around each window (not whole .docs files)."""
+    from titan_core.data.windows import open_split
+
+    local = str(tmp_path / "ds")
+    docs = random_docs(5, 3, 3000)  # 3 shards of 3,000 documents: 24 KB of offsets each
+    docs[1][:40] = [[7] * 2] * 40  # dense short documents inside a shard
+    write_docs(local, docs)
+    remote = f"memory://{tmp_path.name}/ds"
+    fs = fsspec.filesystem("memory")
+    for path in Path(local).rglob("*"):
+        if path.is_file():
+            fs.pipe_file(f"{remote}/{path.relative_to(local)}", path.read_bytes())
+    kwargs = {"fingerprint": FP, "seq_len": 64, "verify": "size"}
+    near, far = open_split(local, "train", **kwargs), open_split(remote, "train", **kwargs)
+    rng = np.random.default_rng(0)
+    edges = [int(near.starts[i]) // 64 + d for i in (1, 2) for d in (-1, 0)]
+    samples = np.concatenate([rng.integers(0, near.num_samples(), 200), edges])
+    assert (far.doc_ids(samples) == near.doc_ids(samples)).all()
+    fresh = open_split(remote, "train", **kwargs)  # one lookup, nothing cached yet
+    fresh.doc_ids(np.array([near.num_samples() // 6]))  # inside shard 0
+    offsets_bytes = fresh.shards[0].num_docs * 8
+    assert fresh.read_stats()["bytes_read"] < offsets_bytes / 2, fresh.read_stats()

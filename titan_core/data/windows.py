@@ -136,21 +136,6 @@ class RemoteFiles:
             _, old = self._blocks.popitem(last=False)
             self._cached -= _nbytes(old)
 
-    def array(self, path: str, dtype: np.dtype) -> np.ndarray:
-        """The whole file as an array, fetched by one ranged read and cached decoded (for
-        document offsets, which are small next to their tokens)."""
-        key = (path, -1)
-        found = self._blocks.get(key)
-        if found is None:
-            size = self.sizes[path]
-            blob = self._cat([path], [0], [size])[0] if size else b""
-            found = np.frombuffer(blob, dtype=dtype)
-            self._put(key, found)
-        else:
-            self._blocks.move_to_end(key)
-        assert isinstance(found, np.ndarray)
-        return found
-
     def read(self, requests: list[tuple[str, np.dtype, int, int]]) -> list[np.ndarray]:
         """``[path, dtype, first, end)`` element ranges, fetched together."""
         spans = []
@@ -237,16 +222,11 @@ class SplitReader:
         out = np.empty((len(samples), self.seq_len), dtype=np.int32)
         first = np.asarray(samples, dtype=np.int64) * self.seq_len
         pieces = self._pieces(samples, self.seq_len)
-        docs = self._docs([i for _, i, _, _ in pieces])
         ends: list[list[np.ndarray]] = [[] for _ in range(len(samples))]
         for row, i, lo, hi in pieces:
-            local = docs[i]
             # Ends after the piece's first token, up to its end (a shard ends with a document);
             # an end is the first token of the next document.
-            cut = local[
-                np.searchsorted(local, lo, side="right") : np.searchsorted(local, hi, "right")
-            ]
-            ends[row].append(cut + self.starts[i])
+            ends[row].append(self._doc_ends(i, lo, hi) + self.starts[i])
         positions = np.arange(self.seq_len, dtype=np.int64)
         for row in range(len(samples)):
             row_ends = np.concatenate(ends[row]) if ends[row] else np.zeros(0, np.int64)
@@ -254,8 +234,30 @@ class SplitReader:
             out[row] = np.searchsorted(row_ends, first[row] + positions, side="right")
         return out
 
-    def _docs(self, shard_ids: list[int]) -> dict[int, np.ndarray]:
-        return {i: self.files.array(self._paths[i][1], shards.DOC_DTYPE) for i in set(shard_ids)}
+    def _doc_ends(self, shard: int, lo: int, hi: int) -> np.ndarray:
+        """The document ends ``e`` of ``shard`` with ``lo < e <= hi`` (shard-local tokens).
+
+        Local: a binary search of the mapped offsets. Remote: an interpolation search over
+        ranged reads (the offsets of a shard can be megabytes): read the offsets around where
+        ``lo`` falls if documents were spread evenly, and widen until they bracket
+        ``[lo, hi]``; ends strictly increase, so what lies outside the bracket is outside.
+        """
+        path = self._paths[shard][1]
+        if isinstance(self.files, LocalFiles):
+            ends = self.files.array(path, shards.DOC_DTYPE)
+        else:
+            n, tokens = self.shards[shard].num_docs, max(self.shards[shard].num_tokens, 1)
+            span = 256  # 2 KiB of offsets each side
+            guess = min(int(lo / tokens * n), n - 1)
+            a, b = max(guess - span, 0), min(guess + span, n)
+            while True:
+                (ends,) = self.files.read([(path, shards.DOC_DTYPE, a, b)])
+                left, right = a == 0 or ends[0] <= lo, b == n or ends[-1] >= hi
+                if left and right:
+                    break
+                span *= 2
+                a, b = (a if left else max(a - span, 0)), (b if right else min(b + span, n))
+        return ends[np.searchsorted(ends, lo, side="right") : np.searchsorted(ends, hi, "right")]
 
     def _pieces(self, samples: np.ndarray, length: int | None = None) -> list[tuple[int, ...]]:
         """(row, shard, first, end) token ranges, shard-local, covering each sample's window."""
