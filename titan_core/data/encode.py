@@ -39,19 +39,24 @@ def cached_tokenizer(path: str, fingerprint: str = "", *, refresh: bool = False)
 
 def encode_documents(
     tokenizer: Tokenizer, docs: Iterator[str], num_threads: int = 1
-) -> Iterator[list[int]]:
-    """``encode_ordinary`` ids of each document, in order, encoded in batches.
+) -> Iterator[np.ndarray]:
+    """``encode_ordinary`` ids of each document (uint32 arrays), in order, encoded in batches.
 
-    ``num_threads`` > 1 uses tiktoken's ``encode_ordinary_batch`` (same ids) to spread a batch
-    over threads: worth it for a lone unit with idle cores. In a pool with a process per core
-    its thread pool only costs (measured: 1.0 s of CPU for 0.7 s of plain calls).
+    tiktoken's ``encode_to_numpy`` writes the ids straight into an array from Rust: the same
+    ids as ``encode_ordinary`` (special-token strings stay plain text) without building a
+    Python int per token, ~17% faster here. ``num_threads`` > 1 uses ``encode_ordinary_batch``
+    to spread a batch over threads: worth it for a lone unit with idle cores. In a pool with a
+    process per core its thread pool only costs (measured: 1.0 s of CPU for 0.7 s of plain
+    calls).
     """
-    encode = tokenizer.model.encode_ordinary
+    model = tokenizer.model
     for texts in _batches(docs):
         if num_threads > 1:
-            yield from tokenizer.model.encode_ordinary_batch(texts, num_threads=num_threads)
+            for ids in model.encode_ordinary_batch(texts, num_threads=num_threads):
+                yield np.asarray(ids, dtype=np.uint32)
         else:
-            yield from (encode(text) for text in texts)
+            for text in texts:
+                yield model.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
 
 
 def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
@@ -73,27 +78,25 @@ class SplitBuilder:
 
     def __init__(self, dtype: np.dtype, bos_id: int, eos_id: int) -> None:
         self.dtype = dtype
-        self.bos_id, self.eos_id = bos_id, eos_id
+        self._bos = np.array([bos_id], dtype=np.uint32)
+        self._eos = np.array([eos_id], dtype=np.uint32)
         self.lengths: list[int] = []
         self._chunks: list[np.ndarray] = []
-        self._pending: list[int] = []
+        self._pending: list[np.ndarray] = []
+        self._pending_tokens = 0
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: np.ndarray) -> None:
         """Append one document (``ids`` without bos/eos)."""
-        pending = self._pending
-        pending.append(self.bos_id)
-        pending.extend(ids)
-        pending.append(self.eos_id)
+        self._pending += (self._bos, ids, self._eos)
         self.lengths.append(len(ids) + 2)
-        if len(pending) >= BATCH_CHARS // 4:  # about one batch of tokens
+        self._pending_tokens += len(ids) + 2
+        if self._pending_tokens >= BATCH_CHARS // 4:  # about one batch of tokens
             self._flush()
 
     def _flush(self) -> None:
         if self._pending:
-            # fromiter with a known count: ~25% faster than np.array on a list of ints.
-            pending = self._pending
-            self._chunks.append(np.fromiter(pending, dtype=self.dtype, count=len(pending)))
-            self._pending = []
+            self._chunks.append(np.concatenate(self._pending).astype(self.dtype, copy=False))
+            self._pending, self._pending_tokens = [], 0
 
     def write(self, url: str, *, name: str, split: str, unit: str, source: str) -> ShardInfo:
         """Write the shard ``name`` under the dataset ``url``; its manifest entry."""

@@ -26,6 +26,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -488,10 +489,12 @@ def process_map(
             results.append(fn(unit))
             _log_progress(done, len(units), unit)
         return results
-    # spawn: workers start clean, not as a fork of a process whose threads (s3fs' event loop,
-    # torch's pools) may hold locks, and see the environment (S3 credentials) as it is now, not
-    # as it was when a forkserver started.
-    context = multiprocessing.get_context("spawn")
+    # fork when this process runs no other thread (nothing can hold a lock across the fork):
+    # workers start at once with the tokenizer built. Else spawn: workers start clean, not as
+    # a fork of a process whose threads (s3fs' event loop, torch's pools) may hold locks, and
+    # see the environment (S3 credentials) as it is now, not as when a forkserver started.
+    alone = threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if alone else "spawn")
     with ProcessPoolExecutor(max_workers=processes, mp_context=context) as pool:
         futures = {pool.submit(fn, unit): unit for unit in units}
         try:
