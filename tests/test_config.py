@@ -439,3 +439,35 @@ def test_docs_section_table_lists_every_section() -> None:
 def test_docs_error_examples_match_the_code(argv: list[str]) -> None:
     doc = (REPO / "docs" / "configuration.md").read_text()
     assert f"error: {config_error(argv)}\n" in doc
+
+
+@pytest.mark.parametrize(
+    "entries, expected",
+    [
+        (["data/a=x"], r"training\.dataset_mix\[0\]: expected URL=WEIGHT with a weight > 0"),
+        (["data/a=1", "data/b"], r"training\.dataset_mix\[1\]: expected URL=WEIGHT"),
+        (["data/a=0"], r"training\.dataset_mix\[0\]: expected URL=WEIGHT with a weight > 0"),
+        (["data/a=1", "data/a=2"], r"training\.dataset_mix: expected each dataset once"),
+    ],
+)
+def test_mix_weights_that_do_not_parse_are_one_line(
+    entries: list[str], expected: str, tmp_path: Path
+) -> None:
+    """`titan train` with a bad dataset_mix: one line, exit 2, nothing written."""
+    argv = ["--job.dump_folder", str(tmp_path / "run"), "--training.dataset_mix", *entries]
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_core.cli", "train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert re.search(expected, proc.stderr), proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_mix_weights_are_normalised() -> None:
+    from titan_core.config.job import parse_mix
+
+    assert parse_mix(["s3://b/x=prefix/a=3", "b=1"]) == [("s3://b/x=prefix/a", 0.75), ("b", 0.25)]

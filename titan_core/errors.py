@@ -1,6 +1,11 @@
 """User-facing error types: caught at entry points and printed as one line, exit code 2
 (``CommError``: 3, so that launchers relaunch it rather than treat it as bad input)."""
 
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
 
 class TitanError(ValueError):
     """A problem with the user's input (config, files, data); printed as one line."""
@@ -24,3 +29,29 @@ class CommError(TitanError):
     """A collective failed or timed out (a dead or stuck peer): worth a relaunch."""
 
     exit_code = 3
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def storage_errors(where: str, error: type[TitanError]) -> Iterator[None]:
+    """Turn storage failures (missing file, denied access, network, S3 client errors) into one
+    ``error`` line naming ``where``; anything else passes through."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise error(f"{where}: file not found: {e.filename or e}") from None
+    except PermissionError as e:
+        raise error(
+            f"{where}: access denied ({e}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+        ) from None
+    except OSError as e:  # disk full, a file where a directory should be, network errors
+        raise error(f"{where}: {type(e).__name__}: {e.strerror or e}") from None
+    except Exception as e:
+        if type(e).__module__.split(".")[0] not in ("botocore", "aiobotocore", "s3fs"):
+            raise
+        raise error(f"{where}: storage error {type(e).__name__}: {first_line(e)}") from None

@@ -28,29 +28,15 @@ from typing import Any
 
 import torch
 
+from titan_core import errors
 from titan_core.checkpoint import storage
 from titan_core.errors import CheckpointError
 from titan_core.models import get_model_spec
 
 
-@contextlib.contextmanager
-def storage_errors(path: str) -> Iterator[None]:
-    """Turn storage failures (missing file, denied access, S3 client errors) into one line."""
-    try:
-        yield
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{path}: file not found: {e.filename or e}") from None
-    except PermissionError as e:
-        raise CheckpointError(
-            f"{path}: access denied ({e}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
-        ) from None
-    except OSError as e:  # disk full, a file where a directory should be, network errors
-        raise CheckpointError(f"{path}: {type(e).__name__}: {e.strerror or e}") from None
-    except Exception as e:
-        if type(e).__module__.split(".")[0] not in ("botocore", "aiobotocore", "s3fs"):
-            raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(f"{path}: storage error {type(e).__name__}: {first}") from None
+def storage_errors(path: str) -> contextlib.AbstractContextManager[None]:
+    """Storage failures under ``path`` as one CheckpointError line."""
+    return errors.storage_errors(path, CheckpointError)
 
 
 def expected_shapes(model_args: Any, model_name: str = "llama3") -> dict[str, tuple[int, ...]]:

@@ -21,13 +21,13 @@ import hashlib
 import json
 import os
 import posixpath
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import fsspec
 import numpy as np
 
+from titan_core import errors
 from titan_core.errors import DataError
 
 FORMAT = "titan-tokens"
@@ -158,30 +158,9 @@ def is_prepared(location: str) -> bool:
             return False
 
 
-@contextlib.contextmanager
-def storage_errors(where: str) -> Iterator[None]:
-    """Turn storage failures (denied access, network, S3 client errors) into one DataError line."""
-    try:
-        yield
-    except DataError:
-        raise
-    except FileNotFoundError as e:
-        raise DataError(f"{where}: file not found: {e.filename or e}") from None
-    except PermissionError as e:
-        raise DataError(
-            f"{where}: access denied ({e}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
-        ) from None
-    except OSError as e:
-        raise DataError(f"{where}: {type(e).__name__}: {e.strerror or e}") from None
-    except Exception as e:
-        if type(e).__module__.split(".")[0] not in ("botocore", "aiobotocore", "s3fs"):
-            raise
-        raise DataError(f"{where}: storage error {type(e).__name__}: {first_line(e)}") from None
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+def storage_errors(where: str) -> contextlib.AbstractContextManager[None]:
+    """Storage failures under ``where`` as one DataError line."""
+    return errors.storage_errors(where, DataError)
 
 
 def read_manifest(dataset_url: str) -> Manifest:

@@ -31,8 +31,8 @@ from urllib.parse import parse_qsl, urlencode
 
 import fsspec
 
-from titan_core.data.shards import MANIFEST, SHARD_DIR, SourceFile, first_line, storage_errors
-from titan_core.errors import DataError
+from titan_core.data.shards import MANIFEST, SHARD_DIR, SourceFile, storage_errors
+from titan_core.errors import DataError, first_line
 
 DOC_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
