@@ -3,7 +3,7 @@
 #   NGPU=2 MODULE=llama3 CONFIG=llama3_debugmodel ./run_train.sh --training.steps 20
 # Env: NGPU (processes, default 1), MODULE/CONFIG (registry), CONFIG_FILE (TOML),
 # LOG_RANK (comma-separated ranks whose output is shown, default 0), COMM_MODE (fake_backend or
-# local_tensor: one process simulates NGPU ranks, see titan_core/distributed/comm_mode.py).
+# local_tensor: one process simulates NGPU ranks, see titan_core/comm_mode.py).
 # Further arguments are config overrides (--section.field value).
 set -euo pipefail
 

@@ -6,7 +6,7 @@ from prefect import flow
 
 from tasks.convert import convert_to_hf
 from tasks.storage import absolute
-from titan_core.checkpoint import storage
+from titan_core import storage
 
 
 def run_config_url(checkpoint: str) -> str:

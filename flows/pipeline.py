@@ -32,7 +32,7 @@ from tasks.storage import RunPaths, absolute, new_run_id
 from tasks.tokenizer import download_tokenizer, tokenizer_source
 from tasks.tracking import TrackingContext, end_pipeline_run
 from tasks.train import train, upload_run_files
-from titan_core.checkpoint import storage
+from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import to_toml
 

@@ -7,7 +7,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.common import load_config, redact, retry_transient, run_logger
 from tasks.tracking import TrackingContext, log_metrics, stage_run
-from titan_core.checkpoint import storage
+from titan_core import storage
 
 HF_DIR = "hf"
 

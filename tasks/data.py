@@ -73,7 +73,7 @@ class PreparedData:
 def data_root(cfg: JobConfig) -> str:
     """Where prepared datasets live: ``data.root``, else ``<storage.root>/data``."""
     from tasks.storage import absolute
-    from titan_core.checkpoint import storage
+    from titan_core import storage
 
     if cfg.data.root:
         return absolute(cfg.data.root)
@@ -325,7 +325,7 @@ def prepare_data(
 
 def record_dataset(run_root: str, prepared: PreparedData) -> None:
     """Write ``<run>/dataset.json``: the prepared dataset the run trains on, as it is now."""
-    from titan_core.checkpoint import storage
+    from titan_core import storage
 
     text = json.dumps(dataclasses.asdict(prepared), indent=1) + "\n"
     storage.write_text_atomic(storage.join(run_root, DATASET_RECORD), text)
@@ -334,7 +334,7 @@ def record_dataset(run_root: str, prepared: PreparedData) -> None:
 def dataset_grew(run_root: str, prepared: PreparedData) -> bool:
     """Whether ``prepared`` has more train shards than the dataset the run at ``run_root``
     trained on (same dataset, files appended since)."""
-    from titan_core.checkpoint import storage
+    from titan_core import storage
 
     record = storage.join(run_root, DATASET_RECORD)
     if not storage.exists(record):

@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.common import redact, retry_transient, run_logger
 from tasks.tracking import TrackingContext, client, log_metrics, stage_run
-from titan_core.checkpoint import storage
+from titan_core import storage
 
 EVAL_METRICS = ("loss", "perplexity", "bits_per_byte", "num_tokens")
 

@@ -18,7 +18,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common import load_config, redact, run_logger
-from titan_core.checkpoint import storage
+from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.errors import ConfigError
 
@@ -49,7 +49,7 @@ def dry_run(cfg: JobConfig, world_size: int) -> Any:
     """A fake-backend dry run at ``world_size`` in this process: the model built and
     parallelized on fake process groups, one training step on fake tensors (a real data batch
     included); returns the memory/FLOPs estimate of that layout."""
-    from titan_core.distributed.comm_mode import dry_run as fake_backend_dry_run
+    from titan_core.comm_mode import dry_run as fake_backend_dry_run
     from titan_core.estimate import estimate
 
     fake = dataclasses.replace(

@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.common import redact, retry_transient, run_logger
 from tasks.storage import absolute, refresh
 from tasks.tracking import TrackingContext, client, log_metrics
-from titan_core.checkpoint import storage
+from titan_core import storage
 
 CHAMPION = "champion"
 EVAL_LOSS_TAG = "eval_loss"

@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.common import redact, retry_transient, run_logger
 from tasks.storage import RunPaths, check_storage, configure_credentials, refresh
 from tasks.tracking import TrackingContext, start_pipeline_run
-from titan_core.checkpoint import storage
+from titan_core import storage
 from titan_core.checkpoint.manager import complete_steps, read_marker
 from titan_core.config.job import JobConfig
 from titan_core.errors import CheckpointError

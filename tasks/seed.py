@@ -17,7 +17,7 @@ from prefect.tasks import exponential_backoff
 
 from tasks.common import load_config, redact, retry_transient, run_logger
 from tasks.storage import SEED_DIR, refresh, storage_identity
-from titan_core.checkpoint import storage
+from titan_core import storage
 from titan_core.checkpoint.manager import read_marker
 from titan_core.config.job import ActivationCheckpoint, Compile, JobConfig, Parallelism
 

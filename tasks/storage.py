@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tasks.common import register_secret, run_logger
-from titan_core.checkpoint import storage
+from titan_core import storage
 from titan_core.errors import TitanError
 
 T = TypeVar("T")

@@ -27,7 +27,7 @@ from prefect.tasks import exponential_backoff
 
 from tasks.common import redact, retry_transient, run_logger
 from tasks.storage import download_file, storage_identity, upload_folder
-from titan_core.checkpoint import storage
+from titan_core import storage
 from titan_core.errors import DataError
 
 BUILTIN = "builtin"

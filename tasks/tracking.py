@@ -19,7 +19,7 @@ from typing import Any
 
 from tasks.common import mask_params, redact
 from tasks.storage import RunPaths, absolute
-from titan_core.checkpoint import storage
+from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.errors import TitanError
 

@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.common import load_config, redact, retry_transient, run_logger
 from tasks.storage import refresh, upload_folder
 from tasks.tracking import TrackingContext, stage_run
-from titan_core.checkpoint import storage
+from titan_core import storage
 from titan_core.checkpoint.manager import complete_steps
 
 # Fault-injection hooks (see titan_core/checkpoint/manager.py) model a transient failure: they

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from parallel_harness import assert_parity, run_layout
 
+from titan_core import comm_mode
 from titan_core.cli import _comm_mode_args
 from titan_core.config.manager import parse_args
-from titan_core.distributed import comm_mode
 from titan_core.errors import ConfigError
 from titan_core.models import get_flavor
 

@@ -14,8 +14,8 @@ import pytest
 from mlflow import MlflowClient
 from tracking_data import log_pipeline_run
 
+from flows.main import main as titan_main
 from tasks.compare import PLOT_NAME, compare_experiment
-from titan_core.cli import main as titan_main
 from titan_core.errors import ConfigError
 
 EXPERIMENT = "cmp-test"

@@ -456,7 +456,7 @@ def test_mix_weights_that_do_not_parse_are_one_line(
     """`titan train` with a bad dataset_mix: one line, exit 2, nothing written."""
     argv = ["--job.dump_folder", str(tmp_path / "run"), "--training.dataset_mix", *entries]
     proc = subprocess.run(
-        [sys.executable, "-m", "titan_core.cli", "train", *argv],
+        [sys.executable, "-m", "flows.main", "train", *argv],
         capture_output=True,
         text=True,
         timeout=120,

@@ -29,8 +29,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from titan_core import storage
 from titan_core.build import build_model_args
-from titan_core.checkpoint import storage
+from titan_core.checkpoint.dcp_io import dcp_reader
 from titan_core.checkpoint.manager import COMMIT_MARKER
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import load_toml, parse_args
@@ -68,13 +69,13 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
 
 def _dcp_model(path: str) -> dict[str, torch.Tensor]:
     """The full model tensors of a DCP checkpoint (any sharding), read into this process."""
-    md = storage.dcp_reader(path).read_metadata().state_dict_metadata
+    md = dcp_reader(path).read_metadata().state_dict_metadata
     state = {
         k.removeprefix("model."): torch.empty(v.size, dtype=v.properties.dtype)
         for k, v in md.items()
         if k.startswith("model.")
     }
-    dcp.load({"model": state}, storage_reader=storage.dcp_reader(path), no_dist=True)
+    dcp.load({"model": state}, storage_reader=dcp_reader(path), no_dist=True)
     return state
 
 
@@ -261,14 +262,14 @@ def test_fsdp_checkpoint_converts_like_single_process(
     proc = _torchrun("-m", "titan_core.train", *TRAIN, "--job.dump_folder", str(dump))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     fsdp_step = dump / "checkpoint" / "step-2"
-    md = storage.dcp_reader(str(fsdp_step)).read_metadata().state_dict_metadata
+    md = dcp_reader(str(fsdp_step)).read_metadata().state_dict_metadata
     assert len(md["model.tok_embeddings.weight"].chunks) == 2  # really saved as 2 shards
 
     # The same weights, resharded into one process and saved from there.
     single_step = tmp_path / "single" / "checkpoint" / "step-2"
     dcp.save({"model": _dcp_model(str(fsdp_step))}, checkpoint_id=str(single_step), no_dist=True)
     (single_step / COMMIT_MARKER).write_text(json.dumps({"step": 2, "model_only": True}))
-    single_md = storage.dcp_reader(str(single_step)).read_metadata().state_dict_metadata
+    single_md = dcp_reader(str(single_step)).read_metadata().state_dict_metadata
     assert len(single_md["model.tok_embeddings.weight"].chunks) == 1
 
     args = _model_args(dump)
@@ -282,7 +283,7 @@ def test_fsdp_checkpoint_converts_like_single_process(
 
     # The direct reader streams the two ranks' row slices (gathering the q/k ones to reorder
     # them) byte for byte like DCP's resharding reader, in both dtypes.
-    metadata = storage.dcp_reader(str(fsdp_step)).read_metadata()
+    metadata = dcp_reader(str(fsdp_step)).read_metadata()
     names = [k for k in metadata.state_dict_metadata if k.startswith("model.")]
     with contextlib.closing(DataFiles(str(fsdp_step))) as files:
         found = locate(str(fsdp_step), metadata, names, files)
@@ -665,7 +666,7 @@ def _truncate(path: Path) -> None:
 
 
 def _corrupt(step: Path, fqn: str) -> None:
-    storage_data = storage.dcp_reader(str(step)).read_metadata().storage_data
+    storage_data = dcp_reader(str(step)).read_metadata().storage_data
     info = next(v for k, v in storage_data.items() if k.fqn == fqn)
     with open(step / info.relative_path, "r+b") as f:
         f.seek(info.offset)

@@ -65,7 +65,7 @@ def test_titan_demo_resumes_when_run_again(tmp_path: Path, assets: Path) -> None
     args = [
         sys.executable,
         "-m",
-        "titan_core.cli",
+        "flows.main",
         "demo",
         "--engine-only",  # the engine's own resume path (plain `titan demo` runs the pipeline)
         "--steps",
@@ -107,7 +107,7 @@ def test_titan_config_prints_resolved_toml() -> None:
         [
             sys.executable,
             "-m",
-            "titan_core.cli",
+            "flows.main",
             "config",
             "--module",
             "llama3",
@@ -130,7 +130,7 @@ def test_titan_train_error_is_one_line(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "titan_core.cli",
+            "flows.main",
             "train",
             "--module",
             "llama3",

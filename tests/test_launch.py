@@ -328,7 +328,7 @@ def test_slurm_states_map_to_one_line_errors(tmp_path: Path) -> None:
 def test_titan_launch_dry_run_prints_without_running(
     capsys: pytest.CaptureFixture[str], assets: Path
 ) -> None:
-    from titan_core.cli import main
+    from flows.main import main
 
     argv = ["launch", "--dry-run", "--module", "llama3", "--config", "llama3_debugmodel_tiny"]
     assert main([*argv, "--launch.backend", "slurm", "--launch.nnodes", "2"]) == 0

@@ -121,12 +121,13 @@ def test_bad_parallel_config_one_line_before_launch(
     expected: str,
 ) -> None:
     """`titan train --ngpu N` rejects the config with one line; torchrun never starts."""
-    from titan_core import cli
+    from flows import main as cli
+    from titan_core import cli as engine_cli
 
     def no_launch(*_: object) -> None:
         raise AssertionError("torchrun was launched for a bad config")
 
-    monkeypatch.setattr(cli.os, "execve", no_launch)
+    monkeypatch.setattr(engine_cli.os, "execve", no_launch)
     dump = tmp_path / "out"
     code = cli.main([*TINY_CLI, "--ngpu", str(ngpu), "--job.dump_folder", str(dump), *args])
     err = capsys.readouterr().err.strip()

@@ -176,7 +176,7 @@ def test_titan_demo_runs_the_pipeline_with_embedded_prefect(tmp_path: Path, asse
     env = {k: v for k, v in os.environ.items() if not k.startswith(services)}
     env.update(OMP_NUM_THREADS="1", PREFECT_HOME=str(tmp_path / "prefect"))
     out = tmp_path / "out"
-    argv = [sys.executable, "-m", "titan_core.cli", "demo", "--steps", "2", "--storage", str(out)]
+    argv = [sys.executable, "-m", "flows.main", "demo", "--steps", "2", "--storage", str(out)]
     argv += ["--model.flavor", "debugmodel_tiny", "--launch.nproc_per_node", "1"]
     argv += [*tiny_overrides(steps=2, nproc=1), "--lr_scheduler.warmup_steps", "1"]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)

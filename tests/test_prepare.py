@@ -399,7 +399,7 @@ def test_manifest_from_another_tokenizer_is_refused(
 def _titan(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "titan_core.cli", "data", *args],
+        [sys.executable, "-m", "flows.main", "data", *args],
         capture_output=True, text=True, timeout=300, cwd=cwd, env=env,
     )  # fmt: skip
 

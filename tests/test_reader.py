@@ -472,7 +472,8 @@ def test_bad_prepared_data_stops_before_anything_is_written(
 ) -> None:
     """A damaged shard: `titan_core.train` and `titan train --ngpu 2` (before torchrun starts)
     print one line naming the file, exit 2, and write nothing."""
-    from titan_core import cli
+    from flows import main as cli
+    from titan_core import cli as engine_cli
 
     broken = tmp_path / "broken"
     write_docs(str(broken), random_docs(3, 2, 20), tokenizer=_tokenizer_info())
@@ -483,7 +484,7 @@ def test_bad_prepared_data_stops_before_anything_is_written(
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and str(shard) in errors[0], proc.stderr[-3000:]
-    monkeypatch.setattr(cli.os, "execve", lambda *_: pytest.fail("torchrun was launched"))
+    monkeypatch.setattr(engine_cli.os, "execve", lambda *_: pytest.fail("torchrun was launched"))
     argv = ["train", *TRAIN, "--ngpu", "2", "--job.dump_folder", str(dump)]
     assert cli.main([*argv, "--training.dataset_mix", f"{corpus_pair[0]}=1", f"{broken}=1"]) == 2
     err = capsys.readouterr().err.strip()

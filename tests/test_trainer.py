@@ -295,7 +295,7 @@ def test_torchrun_data_parallel_two_processes(
         [
             sys.executable,
             "-m",
-            "titan_core.cli",
+            "flows.main",
             "train",
             "--ngpu",
             "2",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from titan_core.checkpoint import storage
+from titan_core import storage
 from titan_core.config.job import JobConfig, parse_mix
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.distributed import simulation

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titan_core import storage
 from titan_core.build import build_model_parts, check_job, local_side_folder
-from titan_core.checkpoint import storage
 from titan_core.checkpoint.manager import CheckpointManager
 from titan_core.checkpoint.states import ModelState, TrainState
 from titan_core.components.loss import cross_entropy_loss
@@ -116,6 +116,10 @@ class Trainer:
             rank=self.dist.rank,
             world_size=self.dist.world_size,
         )
+        if cfg.checkpoint.initial_load_in_hf:
+            from titan_core.convert.hf_to_dcp import load_hf_into_model
+
+            self.checkpointer.hf_loader = load_hf_into_model
         self.extra_sinks = extra_sinks or []
         self.metrics: MetricsProcessor | None = None
 

@@ -22,7 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_core.checkpoint import storage
+from titan_core import storage
+from titan_core.checkpoint.dcp_io import dcp_reader, dcp_writer
 from titan_core.checkpoint.states import LoadPlanner
 from titan_core.config.dtypes import TORCH_DTYPES
 from titan_core.config.job import Checkpoint as CheckpointConfig
@@ -73,6 +74,9 @@ class CheckpointManager:
         self._stager: DefaultStager | None = None
         self.reader: Callable[[dict[str, Any], str], None] | None = None
         """Replaces DCP's load (COMM_MODE=local_tensor reads without collectives)."""
+        self.hf_loader: Callable[[str, torch.nn.Module], None] | None = None
+        """Loads a Hugging Face folder into the model (``checkpoint.initial_load_in_hf``); set
+        by the trainer, so that checkpointing does not depend on conversion."""
         self._pg = None
         if cfg.enable and cfg.async_mode != "disabled" and world_size > 1:
             # Background saves must not share a process group with training collectives.
@@ -131,11 +135,12 @@ class CheckpointManager:
 
     def _load_initial(self, path: str) -> int:
         if self.cfg.initial_load_in_hf:
-            # Imported here: the converter imports this module for its commit marker.
-            from titan_core.convert.hf_to_dcp import load_hf_into_model
-
+            if self.hf_loader is None:
+                raise CheckpointError(
+                    "checkpoint.initial_load_in_hf: this job cannot read Hugging Face folders"
+                )
             logger.info("Loading Hugging Face weights from initial_load_path %s", path)
-            load_hf_into_model(path, self.states["model"].model)
+            self.hf_loader(path, self.states["model"].model)
             return 0
         if not storage.exists(storage.join(path, ".metadata")):
             raise CheckpointError(
@@ -181,7 +186,7 @@ class CheckpointManager:
             self.reader(state, path)
             return
         try:
-            dcp.load(state, storage_reader=storage.dcp_reader(path), planner=LoadPlanner())
+            dcp.load(state, storage_reader=dcp_reader(path), planner=LoadPlanner())
         except dcp.CheckpointException as e:  # a BaseException: `except Exception` misses it
             # The first rank's own error says what went wrong; DCP's wrapper only lists ranks.
             cause = next(iter(e.failures.values()))[0] if e.failures else e
@@ -218,7 +223,7 @@ class CheckpointManager:
         if dist.is_initialized():
             dist.barrier()
         state = self._model_only_state() if model_only else dict(self.states)
-        writer = storage.dcp_writer(path)
+        writer = dcp_writer(path)
         start = time.perf_counter()
         if self.cfg.async_mode == "disabled" or blocking:
             dcp.save(state, storage_writer=writer)

@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from titan_core import errors
-from titan_core.checkpoint import storage
+from titan_core import errors, storage
 from titan_core.errors import CheckpointError
 from titan_core.models import get_model_spec
 

@@ -19,7 +19,7 @@ import re
 import sys
 from typing import NoReturn
 
-from titan_core.checkpoint import storage
+from titan_core import storage
 from titan_core.errors import ConfigError, TitanError
 
 _DTYPE_ALIASES = {

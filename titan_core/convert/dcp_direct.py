@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from titan_core.checkpoint import storage
+from titan_core import storage
 
 # torch.save pickles a storage's class by name; these are the float types a model may hold.
 _STORAGE_DTYPES = {

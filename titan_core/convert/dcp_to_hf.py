@@ -25,7 +25,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from titan_core.checkpoint import storage
+from titan_core import storage
+from titan_core.checkpoint.dcp_io import dcp_reader
 from titan_core.checkpoint.manager import COMMIT_MARKER
 from titan_core.convert import (
     StagedOutput,
@@ -76,7 +77,7 @@ def _check_checkpoint_dir(checkpoint: str) -> Any:
             )
         if not storage.exists(storage.join(checkpoint, ".metadata")):
             raise CheckpointError(f"checkpoint: {checkpoint} has no DCP .metadata file")
-        metadata = storage.dcp_reader(checkpoint).read_metadata()
+        metadata = dcp_reader(checkpoint).read_metadata()
         _check_data_files(checkpoint, metadata)
     return metadata
 
@@ -173,7 +174,7 @@ def load_tensors(checkpoint: str, group: list[PlannedTensor]) -> dict[str, torch
     try:
         with warnings.catch_warnings(), storage_errors(checkpoint):
             warnings.filterwarnings("ignore", message=_DCP_SINGLE_PROCESS_WARNING)
-            reader = storage.dcp_reader(checkpoint)
+            reader = dcp_reader(checkpoint)
             dcp.load({"model": state}, storage_reader=reader, no_dist=True)
     except dcp.CheckpointException as e:  # a BaseException: `except Exception` misses it
         others = f" (or one of the {len(group) - 1} tensors after it)" if len(group) > 1 else ""

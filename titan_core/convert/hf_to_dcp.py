@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from titan_core.checkpoint import storage
+from titan_core import storage
+from titan_core.checkpoint.dcp_io import dcp_writer
 from titan_core.checkpoint.manager import COMMIT_MARKER
 from titan_core.convert import StagedOutput, expected_shapes, format_size, storage_errors
 from titan_core.convert.dcp_to_hf import INDEX_FILE
@@ -266,7 +267,7 @@ def hf_to_dcp(hf: str, output: str, *, model_args: Any | None = None) -> Any:
     with StagedOutput(output, last=COMMIT_MARKER) as out:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            writer = storage.dcp_writer(out.staging)
+            writer = dcp_writer(out.staging)
             dcp.save({"model": state_dict}, storage_writer=writer, no_dist=True)
         marker = {"step": 0, "model_only": True, "time": time.time(), "source": hf}
         storage.write_text_atomic(storage.join(out.staging, COMMIT_MARKER), json.dumps(marker))

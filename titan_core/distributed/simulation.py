@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_core.checkpoint import storage
+from titan_core.checkpoint.dcp_io import dcp_reader
 from titan_core.errors import TitanError
 from titan_core.logging import logger
 
@@ -158,7 +158,7 @@ def local_tensor_reader(model: torch.nn.Module) -> Callable[[dict[str, Any], str
         sharded = get_model_state_dict(model)
         with sim.local_mode.disable():
             full = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in sharded.items()}
-            dcp.load({"model": full}, storage_reader=storage.dcp_reader(path), no_dist=True)
+            dcp.load({"model": full}, storage_reader=dcp_reader(path), no_dist=True)
         with torch.no_grad():
             for key, target in sharded.items():
                 value = full[key]

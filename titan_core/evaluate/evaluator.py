@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from titan_core import storage
 from titan_core.build import build_model_args
-from titan_core.checkpoint import storage
 from titan_core.components.validate import validation_data
 from titan_core.config.dtypes import autocast_dtype
 from titan_core.config.job import JobConfig

@@ -19,8 +19,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from titan_core import storage
 from titan_core.build import build_model_args
-from titan_core.checkpoint import storage
+from titan_core.checkpoint.dcp_io import dcp_reader
 from titan_core.checkpoint.manager import COMMIT_MARKER, SEED_DIR, complete_steps, read_marker
 from titan_core.checkpoint.states import ModelState
 from titan_core.config.job import ActivationCheckpoint, Compile, JobConfig, Parallelism
@@ -137,7 +138,7 @@ def check_fits(model: nn.Module, step_dir: str, flavor: str) -> None:
 
     DCP loads only the keys asked for, so a deeper checkpoint would otherwise load silently.
     """
-    meta = storage.dcp_reader(step_dir).read_metadata().state_dict_metadata
+    meta = dcp_reader(step_dir).read_metadata().state_dict_metadata
     saved = {k.removeprefix("model."): m for k, m in meta.items() if k.startswith("model.")}
     expected = ModelState(model).state_dict()  # DTensors report their global shape
     where = f"--checkpoint: {step_dir}"
@@ -167,7 +168,7 @@ def load_weights(model: nn.Module, step_dir: str, flavor: str) -> None:
         with warnings.catch_warnings():
             # DCP warns on every single-process load, which is this tool's normal case.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": ModelState(model)}, storage_reader=storage.dcp_reader(step_dir))
+            dcp.load({"model": ModelState(model)}, storage_reader=dcp_reader(step_dir))
     except dcp.CheckpointException as e:  # a BaseException: `except Exception` misses it
         lines = [line for line in str(e).splitlines() if line.strip()]
         reason = lines[-1].strip() if lines else type(e).__name__  # the root cause comes last

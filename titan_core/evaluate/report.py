@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from titan_core.checkpoint import storage
+from titan_core import storage
 from titan_core.config.job import JobConfig
 
 if TYPE_CHECKING:  # only for annotations: report.py must not import the evaluator

@@ -1,4 +1,8 @@
-"""The one storage seam: paths and URLs through fsspec (plain paths stay plain paths)."""
+"""The one storage seam: paths and URLs through fsspec (plain paths stay plain paths).
+
+Used by checkpoints, data, conversion, evaluation and the pipeline alike; DCP's readers and
+writers on top of it are in ``titan_core.checkpoint.dcp_io``.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,6 @@ import uuid
 
 import fsspec
 from fsspec.core import url_to_fs
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
-
-from titan_core.checkpoint.safe_reader import SafeFileSystemReader, SafeFsspecReader
 
 
 def is_url(path: str) -> bool:
@@ -87,13 +86,3 @@ def remove_tree(path: str) -> None:
     fs, p = filesystem(path)
     if fs.exists(p):
         fs.rm(p, recursive=True)
-
-
-def dcp_writer(path: str) -> StorageWriter:
-    """A DCP writer for a local path or any fsspec URL."""
-    return FsspecWriter(path) if is_url(path) else FileSystemWriter(path)
-
-
-def dcp_reader(path: str) -> StorageReader:
-    """A DCP reader for a local path or any fsspec URL (metadata unpickled safely)."""
-    return SafeFsspecReader(path) if is_url(path) else SafeFileSystemReader(path)
