@@ -304,11 +304,13 @@ from torch.distributed.tensor import DTensor
 from titan_core.checkpoint.manager import CheckpointManager
 from titan_core.checkpoint.states import ModelState
 from titan_core.config.manager import parse_args
-from titan_core.convert.hf_to_dcp import list_hf_weights, load_hf_state_dict, read_hf_model_args
+from titan_core.convert.hf_to_dcp import (
+    list_hf_weights, load_hf_into_model, load_hf_state_dict, read_hf_model_args,
+)
 from titan_core.distributed import utils
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.models.llama3 import Transformer
-from titan_core.models.llama3.parallelize import parallelize_llama
+from titan_core.models.common.parallelize import parallelize_decoder
 
 hf, dump = sys.argv[1], sys.argv[2]
 cfg = parse_args(sys.argv[3:] + ["--checkpoint.enable", "--checkpoint.initial_load_path", hf,
@@ -319,13 +321,14 @@ dims.build_mesh("cpu")
 args = read_hf_model_args(hf)
 with torch.device("meta"):
     model = Transformer(args)
-parallelize_llama(model, dims, cfg)
+parallelize_decoder(model, dims, cfg)
 model.to_empty(device="cpu")
 model.init_weights()
 states = {"model": ModelState(model)}
 manager = CheckpointManager(
     cfg.checkpoint, dump, states, rank=info.rank, world_size=info.world_size
 )
+manager.hf_loader = load_hf_into_model  # as the trainer sets it
 assert manager.load() == 0
 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 if all(isinstance(p, DTensor) for p in model.parameters()):
@@ -628,17 +631,24 @@ def test_mixed_shards_and_row_order(
     order = module.row_order(planned["layers.1.attention.wk.weight"], args)
     assert order is not None and torch.equal(wk[order], _to_rotate_half(wk, args.n_kv_heads))
     assert module.row_order(planned["layers.1.feed_forward.w1.weight"], args) is None
-    spec = module.get_model_spec("llama3")
+    spec = module.model_spec(args, "llama3")
+    hf = spec.hf
     transposing = dataclasses.replace(
-        spec, to_hf=lambda sd, a: {k: v.t() for k, v in spec.to_hf(sd, a).items()}
+        spec,
+        hf=dataclasses.replace(
+            hf, to_hf=lambda sd, a: {k: v.t() for k, v in hf.to_hf(sd, a).items()}
+        ),
     )
-    monkeypatch.setattr(module, "get_model_spec", lambda name: transposing)
+    monkeypatch.setattr(module, "model_spec", lambda args, name=None: transposing)
     with pytest.raises(ValueError, match="reshapes"):
         module.row_order(planned["layers.1.feed_forward.w1.weight"], args)
     flipping = dataclasses.replace(
-        spec, to_hf=lambda sd, a: {k: v.flip(-1) for k, v in spec.to_hf(sd, a).items()}
+        spec,
+        hf=dataclasses.replace(
+            hf, to_hf=lambda sd, a: {k: v.flip(-1) for k, v in hf.to_hf(sd, a).items()}
+        ),
     )
-    monkeypatch.setattr(module, "get_model_spec", lambda name: flipping)
+    monkeypatch.setattr(module, "model_spec", lambda args, name=None: flipping)
     with pytest.raises(ValueError, match="not a reordering of whole rows"):
         module.row_order(planned["layers.1.feed_forward.w1.weight"], args)
 

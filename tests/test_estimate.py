@@ -200,7 +200,7 @@ def test_fsdp_terms_match_real_fsdp2_sharding(assets: Path) -> None:
 
     from titan_core.components.optimizer import build_optimizer
     from titan_core.distributed.parallel_dims import ParallelDims
-    from titan_core.models.llama3.parallelize import parallelize_llama
+    from titan_core.models.common.parallelize import parallelize_decoder
 
     cfg = parse_args([*TINY, "--activation_checkpoint.mode", "none"])
     est = estimate(cfg, world_size=3).memory
@@ -211,7 +211,7 @@ def test_fsdp_terms_match_real_fsdp2_sharding(assets: Path) -> None:
         layout = build_layout(cfg, 3)
         with torch.device("meta"):
             model = type(layout.model)(layout.model_args)
-        parallelize_llama(model, dims, cfg)
+        parallelize_decoder(model, dims, cfg)
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights()

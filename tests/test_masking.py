@@ -29,8 +29,8 @@ from titan_core.models.common import (
     document_causal_mask,
     document_positions,
 )
+from titan_core.models.common.parallelize import decoder_tp_plan
 from titan_core.models.llama3 import Transformer, TransformerModelArgs
-from titan_core.models.llama3.parallelize import llama_tp_plan
 from titan_core.train import run
 
 SEQ = 64
@@ -214,7 +214,7 @@ def _tp_worker(rank: int, world: int, port: int) -> None:
         ref_model, _ = _build(positions=True)
         tp_model, _ = _build(positions=True)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        parallelize_module(tp_model, mesh, llama_tp_plan(tp_model, False, Float8()))
+        parallelize_module(tp_model, mesh, decoder_tp_plan(tp_model, False, Float8()))
         assert isinstance(tp_model.layers["0"].attention.wq.weight, DTensor)
         results = []
         for model in (ref_model, tp_model):

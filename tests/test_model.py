@@ -157,9 +157,11 @@ def test_state_dict_adapter_round_trip_is_bitwise(flavor: str) -> None:
 
 def test_registry_errors_name_the_key() -> None:
     assert get_model_spec("llama3").model_cls is Transformer
-    with pytest.raises(ConfigError, match=r"^model\.name: expected one of \['llama3'\], got 'gpt'"):
+    unknown = r"^model\.name: expected one of \['llama3', 'qwen3'\], got 'gpt'"
+    with pytest.raises(ConfigError, match=unknown):
         get_model_spec("gpt")
-    with pytest.raises(ConfigError, match=r"^model\.flavor: expected one of \[.*'8B'.*\], got 'x'"):
+    flavor = r"^model\.flavor: expected one of \[.*'8B'.*\] for model\.name 'llama3', got 'x'"
+    with pytest.raises(ConfigError, match=flavor):
         get_flavor("llama3", "x")
     args = get_flavor("llama3", "debugmodel")
     args.vocab_size = 7  # a private copy: the registry's flavor is untouched

@@ -27,7 +27,7 @@ from titan_core.distributed.pipeline_parallel import (
 )
 from titan_core.errors import ConfigError
 from titan_core.models import get_flavor, get_model_spec
-from titan_core.models.llama3.pipeline import plan_pipeline
+from titan_core.models.common.pipeline import plan_pipeline
 from titan_core.trainer import Trainer
 
 STEPS = 3

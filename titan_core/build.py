@@ -23,9 +23,7 @@ from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.distributed.pipeline_parallel import PipelineRunner
 from titan_core.errors import ConfigError, DataError
 from titan_core.logging import logger
-from titan_core.models import get_flavor, get_model_spec
-from titan_core.models.llama3.parallelize import check_supported, parallelize_llama
-from titan_core.models.llama3.pipeline import pipeline_llama
+from titan_core.models import ModelSpec, get_flavor, get_model_spec
 
 SIDE_ROOT_ENV = "TITAN_SIDE_ROOT"
 
@@ -108,13 +106,22 @@ def check_prepared_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int = 1
                 )
 
 
+def _flavor_shapes(cfg: JobConfig) -> Any:
+    args = get_flavor(cfg.model.name, cfg.model.flavor)
+    if cfg.model.n_layers > 0:
+        args.n_layers = cfg.model.n_layers
+    return args
+
+
 def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer, Any]:
     """Every check that needs no process group: degrees, the parallel plan, tokenizer,
     prepared data (manifests, shard sizes), model shapes. Run by the trainer before
     ``init_distributed`` and by ``titan train`` before it launches torchrun, so a bad config
     fails with one line before any process starts."""
     parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    check_supported(parallel_dims, cfg, dist_utils.device_type())
+    spec = get_model_spec(cfg.model.name)
+    # Depth and tying from the flavor: the vocabulary (the tokenizer's) is filled in below.
+    spec.check(parallel_dims, cfg, dist_utils.device_type(), _flavor_shapes(cfg))
     if cfg.training.document_masking and (parallel_dims.pp_enabled or parallel_dims.cp_enabled):
         raise ConfigError(
             "training.document_masking: not supported with pipeline or context parallelism yet "
@@ -122,7 +129,6 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
         )
     tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
     check_prepared_data(cfg, tokenizer, parallel_dims.dp_degree)
-    get_model_spec(cfg.model.name)
     model_args = build_model_args(cfg, tokenizer.n_words)
     if parallel_dims.cp_enabled:
         # CP shards the RoPE table with the tokens, so it needs exactly one row per token.
@@ -134,7 +140,7 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
 
 
 def build_model_parts(
-    spec: Any,
+    spec: ModelSpec,
     model_args: Any,
     parallel_dims: ParallelDims,
     cfg: JobConfig,
@@ -146,7 +152,7 @@ def build_model_parts(
     training FLOPs per token)."""
     with torch.device("meta"):
         model = spec.model_cls(model_args)
-    nparams, flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
+    nparams, flops_per_token = spec.nparams_and_flops(model_args, model, cfg.training.seq_len)
     logger.info(
         "Model %s %s: %s parameters, %.3e training FLOPs/token",
         cfg.model.name,
@@ -156,16 +162,16 @@ def build_model_parts(
     )
     pipeline, parts = None, [model]
     if parallel_dims.pp_enabled:
-        pipeline, parts = pipeline_llama(
+        pipeline, parts = spec.pipeline(
             model,
             parallel_dims,
             cfg,
             device,
             loss_fn,
-            lambda part: parallelize_llama(part, parallel_dims, cfg),
+            lambda part: spec.parallelize(part, parallel_dims, cfg),
         )
     else:
-        parallelize_llama(model, parallel_dims, cfg)
+        spec.parallelize(model, parallel_dims, cfg)
     for part in parts:
         with simulation.materialize_context():  # fake tensors under COMM_MODE=fake_backend
             part.to_empty(device=device)

@@ -1,6 +1,6 @@
 """Resolve a ``JobConfig``: dataclass defaults < registry function < TOML file < CLI overrides.
 
-``--module M --config F`` starts from ``titan_core.models.M.config_registry.F()``,
+``--module M --config F`` starts from recipe ``F`` of model family ``M`` (its spec's registry),
 ``--job.config_file PATH`` applies a TOML file onto it, and ``--section.field value`` overrides
 win over both. tyro does the parsing and ``--help``; the argv is checked against the schema first
 so that every user error is one line (a ``ConfigError``) instead of tyro's multi-line box.
@@ -33,7 +33,8 @@ Scalar = bool | int | float | str
 _PROG = "python -m titan_core.config.manager"
 _DESCRIPTION = """Resolve a training job config. Later layers win:
   1. dataclass defaults
-  2. --module NAME --config FUNCTION: titan_core.models.NAME.config_registry.FUNCTION()
+  2. --module FAMILY --config RECIPE: a function of the family's config registry
+     (titan_core.models.FAMILY.config_registry for the built-in families)
   3. --job.config-file PATH.toml
   4. the --section.field VALUE overrides below (hyphens or underscores)
 
@@ -284,33 +285,47 @@ def load_toml(path: str | Path, base: JobConfig) -> JobConfig:
     return _apply(base, values)
 
 
-def _registry_modules() -> list[str]:
-    package = importlib.import_module("titan_core.models")
-    roots = [Path(p) for p in package.__path__]
-    return sorted({p.parent.name for root in roots for p in root.glob("*/config_registry.py")})
+def _recipes(family: str) -> tuple[str, dict[str, Any]]:
+    """(registry module name, its public recipe functions) of a model family."""
+    from titan_core.models import get_model_spec
 
-
-def load_registry_config(module: str, config: str) -> JobConfig:
-    """Call ``titan_core.models.<module>.config_registry.<config>()`` and validate the result."""
-    modules = _registry_modules()
-    if module not in modules:
-        choices = ", ".join(modules) or "none found"
-        raise ConfigError(f"--module {module!r}: unknown model module; choices: {choices}")
-    registry = importlib.import_module(f"titan_core.models.{module}.config_registry")
+    registry = importlib.import_module(get_model_spec(family).config_registry)
     functions = {
         name: fn
         for name, fn in inspect.getmembers(registry, inspect.isfunction)
         if fn.__module__ == registry.__name__ and not name.startswith("_")
     }
-    if config not in functions:
+    return registry.__name__, functions
+
+
+def load_registry_config(module: str, config: str) -> JobConfig:
+    """Call recipe ``config`` of model family ``module`` (its spec's ``config_registry``) and
+    validate the result."""
+    from titan_core.models import family_names
+
+    families = family_names()
+    if module not in families:
         raise ConfigError(
-            f"--config {config!r}: not in titan_core.models.{module}.config_registry; "
-            f"choices: {', '.join(sorted(functions))}"
+            f"--module {module!r}: unknown model family; choices: {', '.join(families)}"
+        )
+    registry, functions = _recipes(module)
+    if config not in functions:
+        owners = [f for f in families if f != module and config in _recipes_or_empty(f)]
+        hint = f" ({config!r} is a recipe of --module {owners[0]})" if owners else ""
+        raise ConfigError(
+            f"--config {config!r}: not in {registry}{hint}; choices: {', '.join(sorted(functions))}"
         )
     cfg = functions[config]()
     assert isinstance(cfg, JobConfig), f"{module}.{config}() returned {type(cfg).__name__}"
     validate(cfg)
     return cfg
+
+
+def _recipes_or_empty(family: str) -> dict[str, Any]:
+    try:
+        return _recipes(family)[1]
+    except (ConfigError, ImportError):
+        return {}
 
 
 def _pop_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:

@@ -30,7 +30,7 @@ import torch
 
 from titan_core import errors, storage
 from titan_core.errors import CheckpointError
-from titan_core.models import get_model_spec
+from titan_core.models import ModelSpec, get_model_spec, spec_for_args
 
 
 def storage_errors(path: str) -> contextlib.AbstractContextManager[None]:
@@ -38,10 +38,15 @@ def storage_errors(path: str) -> contextlib.AbstractContextManager[None]:
     return errors.storage_errors(path, CheckpointError)
 
 
-def expected_shapes(model_args: Any, model_name: str = "llama3") -> dict[str, tuple[int, ...]]:
+def model_spec(model_args: Any, model_name: str | None = None) -> ModelSpec:
+    """The spec of ``model_name``, or of the family whose args type ``model_args`` is."""
+    return get_model_spec(model_name) if model_name else spec_for_args(model_args)
+
+
+def expected_shapes(model_args: Any, model_name: str | None = None) -> dict[str, tuple[int, ...]]:
     """Every state-dict tensor of the model described by ``model_args``, with its shape."""
     with torch.device("meta"):
-        model = get_model_spec(model_name).model_cls(model_args)
+        model = model_spec(model_args, model_name).model_cls(model_args)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 

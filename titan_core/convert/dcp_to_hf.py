@@ -32,6 +32,7 @@ from titan_core.convert import (
     StagedOutput,
     expected_shapes,
     format_size,
+    model_spec,
     one_intra_op_thread,
     progress_bar,
     storage_errors,
@@ -42,7 +43,6 @@ from titan_core.convert.shard_writer import ShardWriter
 from titan_core.data.tokenizer import Tokenizer
 from titan_core.errors import CheckpointError, ConfigError
 from titan_core.logging import logger
-from titan_core.models import get_model_spec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 INDEX_FILE = "model.safetensors.index.json"
@@ -102,7 +102,7 @@ def _check_data_files(checkpoint: str, metadata: Any) -> None:
 
 
 def read_checkpoint_tensors(
-    checkpoint: str, model_args: Any, model_name: str = "llama3"
+    checkpoint: str, model_args: Any, model_name: str | None = None
 ) -> list[PlannedTensor]:
     """The model tensors of a committed DCP checkpoint, validated against ``model_args``.
 
@@ -113,7 +113,7 @@ def read_checkpoint_tensors(
 
 
 def _read_plan(
-    checkpoint: str, model_args: Any, model_name: str
+    checkpoint: str, model_args: Any, model_name: str | None
 ) -> tuple[Any, list[PlannedTensor]]:
     """(DCP metadata, validated model tensors) of a committed checkpoint."""
     metadata = _check_checkpoint_dir(checkpoint)
@@ -129,7 +129,7 @@ def _read_plan(
                 f"checkpoint: unknown tensor {MODEL_PREFIX}{name} in {checkpoint} "
                 "(not a parameter of this model: check --module/--config and the flavor)"
             )
-    to_hf = get_model_spec(model_name).to_hf
+    to_hf = model_spec(model_args, model_name).hf.to_hf
     planned = []
     for name, shape in expected.items():
         if model_args.tie_word_embeddings and name == "output.weight":
@@ -201,10 +201,10 @@ def convert_shard(
     group: list[PlannedTensor],
     dtype: torch.dtype,
     model_args: Any,
-    model_name: str = "llama3",
+    model_name: str | None = None,
 ) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
     """HF tensors of one shard, converted one at a time (popping ``state`` as it goes)."""
-    to_hf = get_model_spec(model_name).to_hf
+    to_hf = model_spec(model_args, model_name).hf.to_hf
     for t in group:
         ((hf_name, value),) = to_hf({t.name: state.pop(t.name)}, model_args).items()
         value = value.to(dtype).contiguous()
@@ -212,7 +212,9 @@ def convert_shard(
         yield t, value
 
 
-def row_order(t: PlannedTensor, model_args: Any, model_name: str = "llama3") -> torch.Tensor | None:
+def row_order(
+    t: PlannedTensor, model_args: Any, model_name: str | None = None
+) -> torch.Tensor | None:
     """The dim-0 row order the adapter's ``to_hf`` gives ``t`` (None when rows stay in place).
 
     Found by converting a small tensor of element ids of ``t``'s rank (two elements per trailing
@@ -224,7 +226,9 @@ def row_order(t: PlannedTensor, model_args: Any, model_name: str = "llama3") -> 
     per_row = 2 ** (len(t.shape) - 1)
     ids = torch.arange(t.shape[0] * per_row).view(probe_shape)
     try:
-        ((hf_name, out),) = get_model_spec(model_name).to_hf({t.name: ids}, model_args).items()
+        ((hf_name, out),) = (
+            model_spec(model_args, model_name).hf.to_hf({t.name: ids}, model_args).items()
+        )
     except Exception as e:  # e.g. a conversion that needs the real trailing sizes
         raise ValueError(f"the conversion fails on a probe: {e}") from e
     if out is ids and hf_name == t.hf_name:
@@ -241,9 +245,9 @@ def row_order(t: PlannedTensor, model_args: Any, model_name: str = "llama3") -> 
 
 
 # ---------------------------------------------------------------- output files
-def hf_config(model_args: Any, dtype: str, tok: Tokenizer | None, model_name: str) -> dict:
+def hf_config(model_args: Any, dtype: str, tok: Tokenizer | None, model_name: str | None) -> dict:
     """``config.json`` contents; the 4.x rope keys are added for readers that predate v5."""
-    config = {"model_type": "llama", **get_model_spec(model_name).to_hf_config(model_args)}
+    config = {**model_spec(model_args, model_name).hf.to_hf_config(model_args)}
     rope = config["rope_parameters"]
     config["rope_theta"] = rope["rope_theta"]
     scaled = rope["rope_type"] != "default"
@@ -263,7 +267,7 @@ def _write_json(path: str, content: dict[str, Any]) -> None:
 
 
 def _write_metadata_files(
-    out: StagedOutput, model_args: Any, dtype: str, tok: Tokenizer | None, model_name: str
+    out: StagedOutput, model_args: Any, dtype: str, tok: Tokenizer | None, model_name: str | None
 ) -> None:
     _write_json(out.local_path("config.json"), hf_config(model_args, dtype, tok, model_name))
     generation = {} if tok is None else {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
@@ -285,7 +289,7 @@ Direct = dict[str, tuple[StoredTensor, torch.Tensor | None]]  # name -> (bytes, 
 
 def locate_direct(
     checkpoint: str, metadata: Any, tensors: list[PlannedTensor], model_args: Any,
-    model_name: str, files: DataFiles,
+    model_name: str | None, files: DataFiles,
 ) -> Direct:  # fmt: skip
     """The tensors to stream straight from the checkpoint's files, with their HF row order."""
     stored = locate(checkpoint, metadata, [MODEL_PREFIX + t.name for t in tensors], files)
@@ -302,7 +306,7 @@ def locate_direct(
 
 def write_shard(
     path: str, group: list[PlannedTensor], direct: Direct, checkpoint: str, dtype: torch.dtype,
-    model_args: Any, model_name: str, files: DataFiles, scratch: dict[str, torch.Tensor],
+    model_args: Any, model_name: str | None, files: DataFiles, scratch: dict[str, torch.Tensor],
 ) -> None:  # fmt: skip
     """One safetensors file: ``direct`` tensors streamed from the checkpoint's files (through
     the reused ``scratch`` buffers), the rest read with one ``dcp.load`` and converted in memory,
@@ -331,7 +335,7 @@ def dcp_to_hf(
     dtype: str = "bfloat16",
     max_shard_size: int = 5 * 10**9,
     progress: bool = False,
-    model_name: str = "llama3",
+    model_name: str | None = None,
 ) -> list[str]:
     """Export a DCP checkpoint (any sharding, local path or fsspec URL) as an HF Llama folder.
 

@@ -1,4 +1,5 @@
-"""Hugging Face Llama folder -> DCP model-only checkpoint, and HF weights straight into a model.
+"""Hugging Face folder (any registered family) -> DCP model-only checkpoint; HF weights straight
+into a model.
 
 A folder is ``config.json`` plus either ``model.safetensors.index.json`` with its shards or a
 single ``model.safetensors``, on local disk or any fsspec URL. Every shard's header is read and
@@ -29,9 +30,7 @@ from titan_core.convert import StagedOutput, expected_shapes, format_size, stora
 from titan_core.convert.dcp_to_hf import INDEX_FILE
 from titan_core.errors import CheckpointError
 from titan_core.logging import logger
-from titan_core.models import get_model_spec
-from titan_core.models.common import ffn_hidden_dim
-from titan_core.models.llama3 import RopeScaling
+from titan_core.models import spec_for_args, spec_for_hf_config
 
 SINGLE_FILE = "model.safetensors"
 _MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
@@ -126,85 +125,17 @@ def list_hf_weights(hf: str) -> dict[str, HFTensor]:
 
 
 # ---------------------------------------------------------------- config and validation
-def _ffn_sizing(dim: int, intermediate: int) -> tuple[int, float | None]:
-    """(multiple_of, ffn_dim_multiplier) giving ``intermediate``; a known flavor's if one fits."""
-    flavors = get_model_spec("llama3").flavors.values()
-    candidates = [(f.multiple_of, f.ffn_dim_multiplier) for f in flavors if f.dim == dim]
-    candidates += [(2**k, None) for k in range(12, -1, -1)]
-    for multiple_of, multiplier in candidates:
-        if ffn_hidden_dim(dim, multiple_of, multiplier) == intermediate:
-            return multiple_of, multiplier
-    # Any size is reachable with multiple_of=1; +0.5 keeps int() from rounding down.
-    multiplier = (intermediate + 0.5) / int(2 * (4 * dim) / 3)
-    assert ffn_hidden_dim(dim, 1, multiplier) == intermediate
-    return 1, multiplier
-
-
-def _rope_from_config(config: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "llama3":
-        raise CheckpointError(f"hf: {source}: rope_type {rope_type!r} is not supported (llama3)")
-    defaults = RopeScaling()
-    return theta, RopeScaling(
-        factor=float(rope.get("factor", defaults.factor)),
-        low_freq_factor=float(rope.get("low_freq_factor", defaults.low_freq_factor)),
-        high_freq_factor=float(rope.get("high_freq_factor", defaults.high_freq_factor)),
-        original_max_position_embeddings=int(
-            rope.get("original_max_position_embeddings", defaults.original_max_position_embeddings)
-        ),
-    )
-
-
 def model_args_from_hf_config(config: dict[str, Any], source: str) -> Any:
-    """Llama 3 model args describing the model of an HF ``config.json``."""
-    if config.get("model_type", "llama") != "llama":
-        raise CheckpointError(
-            f"hf: {source}: model_type {config['model_type']!r}, expected 'llama'"
-        )
-    missing = [
-        k
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "vocab_size",
-        )
-        if k not in config
-    ]
-    if missing:
-        raise CheckpointError(f"hf: {source} lacks {', '.join(missing)}")
-    dim, n_heads = config["hidden_size"], config["num_attention_heads"]
-    if config.get("head_dim", dim // n_heads) != dim // n_heads:
-        raise CheckpointError(f"hf: {source}: head_dim != hidden_size / num_attention_heads")
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise CheckpointError(f"hf: {source}: attention_bias / mlp_bias are not supported")
-    theta, scaling = _rope_from_config(config, source)
-    multiple_of, multiplier = _ffn_sizing(dim, config["intermediate_size"])
-    return get_model_spec("llama3").args_cls(
-        dim=dim,
-        n_layers=config["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads", n_heads),
-        vocab_size=config["vocab_size"],
-        multiple_of=multiple_of,
-        ffn_dim_multiplier=multiplier,
-        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_seq_len=int(config.get("max_position_embeddings", 8192)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-    )
+    """Model args (of the family that reads its ``architectures``) of an HF ``config.json``."""
+    return spec_for_hf_config(config, source).hf.from_hf_config(config, source)
 
 
 def check_hf_weights(hf: str, weights: dict[str, HFTensor], model_args: Any) -> None:
     """CheckpointError naming the tensor and file for unknown, missing or misshapen tensors."""
-    to_hf = get_model_spec("llama3").to_hf
-    meta = {k: torch.empty(s, device="meta") for k, s in expected_shapes(model_args).items()}
+    spec = spec_for_args(model_args)
+    to_hf = spec.hf.to_hf
+    shapes = expected_shapes(model_args, spec.name)
+    meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
     expected = {k: tuple(v.shape) for k, v in to_hf(meta, model_args).items()}
     for name, t in weights.items():
         if name.endswith("rotary_emb.inv_freq") or (
@@ -213,7 +144,7 @@ def check_hf_weights(hf: str, weights: dict[str, HFTensor], model_args: Any) -> 
             continue  # from_hf drops them: recomputed from the args / the tied embedding
         if name not in expected:
             raise CheckpointError(
-                f"hf: unknown tensor {name} in {t.file} (not in this Llama model)"
+                f"hf: unknown tensor {name} in {t.file} (not in this {spec.name} model)"
             )
         if t.shape != expected[name]:
             raise CheckpointError(
@@ -245,7 +176,7 @@ def load_hf_state_dict(weights: dict[str, HFTensor], model_args: Any) -> dict[st
     for file in sorted({t.file for t in weights.values()}):
         tensors = _load_file(file)
         hf_sd.update({k: v for k, v in tensors.items() if k in weights})
-    return get_model_spec("llama3").from_hf(hf_sd, model_args)
+    return spec_for_args(model_args).hf.from_hf(hf_sd, model_args)
 
 
 def read_hf_model_args(hf: str) -> Any:
@@ -255,7 +186,7 @@ def read_hf_model_args(hf: str) -> Any:
 
 
 def hf_to_dcp(hf: str, output: str, *, model_args: Any | None = None) -> Any:
-    """Save an HF Llama folder as a committed model-only DCP checkpoint (step 0) at ``output``.
+    """Save an HF folder as a committed model-only DCP checkpoint (step 0) at ``output``.
 
     Model args come from ``config.json`` unless given; returns the args used.
     """

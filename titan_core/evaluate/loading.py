@@ -29,7 +29,6 @@ from titan_core.config.manager import parse_args
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.errors import CheckpointError, ConfigError
 from titan_core.models import get_model_spec
-from titan_core.models.llama3.parallelize import parallelize_llama
 
 _STEP_DIR_RE = re.compile(rf"^(step-\d+|{SEED_DIR})$")
 
@@ -125,7 +124,7 @@ def build_model(
     if world_size > 1:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
         dims.build_mesh(device.type)
-        parallelize_llama(model, dims, cfg)
+        spec.parallelize(model, dims, cfg)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)  # also computes the RoPE table the checkpoint lacks

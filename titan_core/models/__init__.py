@@ -1,48 +1,60 @@
-"""Model registry: a model family's name maps to its module class, flavors and converters."""
+"""Model registry: a family's name maps to its ``ModelSpec`` (``models.protocol``).
+
+Built-in families are imported on first use from the table below; other packages register
+theirs with ``register_model_spec(spec)`` in-process, or for every process (torchrun ranks
+included) through an entry point in the ``titan.models`` group whose object is a ``ModelSpec``
+or a module exposing ``MODEL_SPEC``. Nothing here imports a family at import time.
+"""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from dataclasses import dataclass
+import importlib
+from importlib.metadata import entry_points
+from types import ModuleType
 from typing import Any
 
-import torch
-from torch import nn
+from titan_core.errors import CheckpointError, ConfigError
+from titan_core.models.protocol import HFAdapter, ModelSpec, StateDict, decoder_spec
 
-from titan_core.errors import ConfigError
-from titan_core.models import llama3
-
-StateDict = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Everything the trainer needs to build, size and convert one model family."""
-
-    name: str
-    model_cls: type[nn.Module]
-    args_cls: type
-    flavors: dict[str, Any]
-    to_hf: Callable[[StateDict, Any], StateDict]
-    from_hf: Callable[[StateDict, Any], StateDict]
-    to_hf_config: Callable[[Any], dict[str, Any]]
-
-
+ENTRY_POINT_GROUP = "titan.models"
+_BUILTIN = {"llama3": "titan_core.models.llama3", "qwen3": "titan_core.models.qwen3"}
 _MODEL_SPECS: dict[str, ModelSpec] = {}
 
 
 def register_model_spec(spec: ModelSpec) -> None:
     """Add ``spec`` to the registry under ``spec.name``; names must be unique."""
-    if spec.name in _MODEL_SPECS:
+    if spec.name in _MODEL_SPECS and _MODEL_SPECS[spec.name] is not spec:
         raise ValueError(f"model {spec.name!r} is already registered")
     _MODEL_SPECS[spec.name] = spec
 
 
+def _plugins() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def family_names() -> list[str]:
+    """Every family this process can build: built in, registered, or installed as a plugin."""
+    return sorted({*_BUILTIN, *_MODEL_SPECS, *_plugins()})
+
+
+def _spec_of(obj: Any, where: str) -> ModelSpec:
+    spec = getattr(obj, "MODEL_SPEC", None) if isinstance(obj, ModuleType) else obj
+    if not isinstance(spec, ModelSpec):
+        raise ConfigError(f"model.name: {where} provides no ModelSpec (MODEL_SPEC)")
+    return spec
+
+
 def get_model_spec(name: str) -> ModelSpec:
-    """The registered spec called ``name``; ConfigError naming ``model.name`` otherwise."""
+    """The spec of family ``name``; ConfigError naming ``model.name`` otherwise."""
     if name not in _MODEL_SPECS:
-        raise ConfigError(f"model.name: expected one of {sorted(_MODEL_SPECS)}, got {name!r}")
+        if name in _BUILTIN:
+            spec = _spec_of(importlib.import_module(_BUILTIN[name]), _BUILTIN[name])
+        elif name in (plugins := _plugins()):
+            spec = _spec_of(plugins[name].load(), f"entry point {plugins[name].value}")
+        else:
+            raise ConfigError(f"model.name: expected one of {family_names()}, got {name!r}")
+        register_model_spec(spec)
     return _MODEL_SPECS[name]
 
 
@@ -50,20 +62,67 @@ def get_flavor(name: str, flavor: str) -> Any:
     """A private copy of the model args of ``flavor`` (callers may override fields freely)."""
     flavors = get_model_spec(name).flavors
     if flavor not in flavors:
-        raise ConfigError(f"model.flavor: expected one of {list(flavors)}, got {flavor!r}")
+        owners = [f for f in family_names() if f != name and flavor in _flavors_or_empty(f)]
+        where = f" ({flavor!r} is a flavor of {', '.join(owners)})" if owners else ""
+        raise ConfigError(
+            f"model.flavor: expected one of {list(flavors)} for model.name {name!r}, "
+            f"got {flavor!r}{where}"
+        )
     return copy.deepcopy(flavors[flavor])
 
 
-register_model_spec(
-    ModelSpec(
-        name="llama3",
-        model_cls=llama3.Transformer,
-        args_cls=llama3.TransformerModelArgs,
-        flavors=llama3.llama3_flavors,
-        to_hf=llama3.to_hf,
-        from_hf=llama3.from_hf,
-        to_hf_config=llama3.to_hf_config,
-    )
-)
+def _flavors_or_empty(name: str) -> Any:
+    spec = _spec_or_none(name)
+    return spec.flavors if spec is not None else {}
 
-__all__ = ["ModelSpec", "get_flavor", "get_model_spec", "register_model_spec"]
+
+def spec_for_args(model_args: Any) -> ModelSpec:
+    """The family whose ``args_cls`` is exactly the type of ``model_args``."""
+    specs = [s for n in family_names() if (s := _spec_or_none(n)) is not None]
+    found = [s for s in specs if type(model_args) is s.args_cls]
+    if len(found) != 1:
+        what = "no family" if not found else f"families {[s.name for s in found]}"
+        raise ConfigError(
+            f"model.name: {what} use model args of type {type(model_args).__name__}; "
+            "name the family explicitly"
+        )
+    return found[0]
+
+
+def _spec_or_none(name: str) -> ModelSpec | None:
+    try:
+        return get_model_spec(name)
+    except (ConfigError, ImportError):
+        return None
+
+
+def spec_for_hf_config(config: dict[str, Any], source: str) -> ModelSpec:
+    """The family that reads an HF ``config.json`` (by ``architectures``, else ``model_type``);
+    CheckpointError naming what was found and what is supported."""
+    specs = [s for n in family_names() if (s := _spec_or_none(n)) is not None]
+    found = config.get("architectures") or []
+    for spec in specs:
+        if any(a in spec.hf.architectures for a in found):
+            return spec
+    if not found:
+        for spec in specs:
+            if config.get("model_type") == spec.hf.model_type:
+                return spec
+    supported = ", ".join(f"{a} ({s.name})" for s in specs for a in s.hf.architectures)
+    what = f"architectures {found}" if found else f"model_type {config.get('model_type')!r}"
+    raise CheckpointError(f"hf: {source}: {what} is not supported; supported: {supported}")
+
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "HFAdapter",
+    "ModelSpec",
+    "StateDict",
+    "decoder_spec",
+    "family_names",
+    "get_flavor",
+    "get_model_spec",
+    "register_model_spec",
+    "spec_for_args",
+    "spec_for_hf_config",
+]

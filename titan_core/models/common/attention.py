@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from titan_core.models.common.masking import AttentionMask
+from titan_core.models.common.rmsnorm import RMSNorm
 from titan_core.models.common.rope import apply_rotary_emb
 
 
@@ -52,23 +53,39 @@ class ScaledDotProductAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head causal self-attention with grouped-query kv heads and rotary embeddings."""
+    """Multi-head causal self-attention with grouped-query kv heads and rotary embeddings.
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None) -> None:
+    ``head_dim`` defaults to ``dim // n_heads`` (Llama); families such as Qwen3 set it apart
+    from ``dim``. ``qk_norm`` adds an RMSNorm over each head's query and key channels before
+    RoPE (Qwen3, OLMo 2), one scale vector shared by all heads.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        *,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+    ) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if dim % n_heads != 0 or n_heads % self.n_kv_heads != 0:
+        if (head_dim is None and dim % n_heads != 0) or n_heads % self.n_kv_heads != 0:
             raise ValueError(
                 f"dim ({dim}) must divide by n_heads ({n_heads}) and n_heads by "
                 f"n_kv_heads ({self.n_kv_heads})"
             )
         self.n_rep = n_heads // self.n_kv_heads
-        self.head_dim = dim // n_heads
+        self.head_dim = dim // n_heads if head_dim is None else head_dim
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
         self.sdpa = ScaledDotProductAttention()
 
     def forward(
@@ -81,6 +98,8 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, n_heads, hd)
         xk = self.wk(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, n_kv_heads, hd)
         xv = self.wv(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, n_kv_heads, hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)  # per head, over its hd channels
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         keys = repeat_kv(xk, self.n_rep)  # (bs, seq, n_heads, hd)
         values = repeat_kv(xv, self.n_rep)  # (bs, seq, n_heads, hd)
@@ -91,7 +110,11 @@ class Attention(nn.Module):
         return self.wo(out)
 
     def init_weights(self, init_std: float) -> None:
-        """q/k/v at std 0.02; ``init_std`` (depth-scaled) for ``wo``, which feeds the residual."""
+        """q/k/v at std 0.02; ``init_std`` (depth-scaled) for ``wo``, which feeds the residual;
+        QK-norm scales to ones."""
         for linear in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.init_weights()

@@ -1,7 +1,11 @@
-"""Apply parallelism and training transforms to a Llama 3 model, in torchtitan's order:
-TP/SP → activation checkpointing → torch.compile → FSDP. The model itself knows nothing of this."""
+"""Apply parallelism and training transforms to a decoder (``models.common.decoder``), in
+torchtitan's order: TP/SP → activation checkpointing → torch.compile → FSDP. The model itself
+knows nothing of this. Families whose modules differ pass their own TP plan."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -29,21 +33,32 @@ from titan_core.distributed.tensor_parallel import (
     find_module,
     wait_for_tp_output,
 )
+from titan_core.errors import ConfigError
 from titan_core.logging import logger
-from titan_core.models.llama3.pipeline import check_pipeline
+from titan_core.models.common.pipeline import plan_decoder_pipeline
+
+TPPlan = Callable[[nn.Module, bool, Float8Config], dict[str, ParallelStyle]]
 
 
-def check_supported(parallel_dims: ParallelDims, cfg: JobConfig, device_type: str) -> None:
+def check_decoder_support(
+    parallel_dims: ParallelDims, cfg: JobConfig, device_type: str, model_args: Any
+) -> None:
     """Refuse features this build cannot run, before anything is launched or written."""
     if parallel_dims.pp_enabled:
-        check_pipeline(cfg, parallel_dims)  # every pipeline setting, before any group
+        if parallel_dims.dp_replicate > 1 and not parallel_dims.fsdp_enabled:
+            raise ConfigError(
+                "parallelism.data_parallel_replicate_degree: pipeline stages do not compose "
+                "with DDP-style replication; use data_parallel_shard_degree (FSDP/HSDP) for "
+                "data parallel"
+            )
+        plan_decoder_pipeline(cfg, model_args, parallel_dims.pp)  # every pipeline setting
     if parallel_dims.cp_enabled:
         check_context_parallel(cfg)
     check_tensor_parallel(cfg, parallel_dims, device_type)
     check_float8(cfg.float8, device_type)
 
 
-def llama_tp_plan(
+def decoder_tp_plan(
     model: nn.Module, loss_parallel: bool, float8_cfg: Float8Config
 ) -> dict[str, ParallelStyle]:
     """Megatron-style TP + sequence parallel plan for the modules ``model`` has.
@@ -73,6 +88,10 @@ def llama_tp_plan(
             "attention.wk": colwise(),
             "attention.wv": colwise(),
             "attention.wo": rowwise(output_layouts=Shard(1)),
+            # QK-norm (where the family has it: absent modules are skipped): one scale vector
+            # for every head, applied to this rank's heads (dim 2 of bs, seq, heads, hd).
+            "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             "ffn_norm": SequenceParallel(),
             "feed_forward": prepare_input(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
@@ -85,11 +104,13 @@ def llama_tp_plan(
     return plan
 
 
-def apply_tp(model: nn.Module, parallel_dims: ParallelDims, cfg: JobConfig) -> None:
+def apply_tp(
+    model: nn.Module, parallel_dims: ParallelDims, cfg: JobConfig, tp_plan: TPPlan
+) -> None:
     """Tensor + sequence parallelism over the ``tp`` mesh dim (plus async TP when asked)."""
     tp_mesh = parallel_dims.mesh["tp"]
     loss_parallel = parallel_dims.loss_parallel_enabled(cfg.parallelism)
-    applied = apply_tp_plan(model, tp_mesh, llama_tp_plan(model, loss_parallel, cfg.float8))
+    applied = apply_tp_plan(model, tp_mesh, tp_plan(model, loss_parallel, cfg.float8))
     tied = getattr(model, "model_args", None) and model.model_args.tie_word_embeddings
     if tied and find_module(model, "output") and find_module(model, "tok_embeddings"):
         # Each style made its own sharded copy of the shared table (Shard(0) suits both uses):
@@ -105,13 +126,18 @@ def apply_tp(model: nn.Module, parallel_dims: ParallelDims, cfg: JobConfig) -> N
     )
 
 
-def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobConfig) -> nn.Module:
+def parallelize_decoder(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    cfg: JobConfig,
+    tp_plan: TPPlan = decoder_tp_plan,
+) -> nn.Module:
     """Apply float8, TP/SP, AC, compile and FSDP/HSDP (or DDP) to ``model`` (on the meta
     device) in place."""
     if float8_enabled(cfg.float8):
         convert_to_float8(model, cfg.float8)
     if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims, cfg)
+        apply_tp(model, parallel_dims, cfg, tp_plan)
         if cfg.compile.enable:
             disable_autograd_cache()
     apply_activation_checkpointing(model.layers, cfg.activation_checkpoint)

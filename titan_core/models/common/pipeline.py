@@ -1,4 +1,5 @@
-"""Split a Llama 3 model into pipeline stages: which layers each stage holds, checked up front.
+"""Split a decoder into pipeline stages: which layers each stage holds, checked up front. The one
+stage split of the engine: training builds stages from it and ``titan estimate`` sizes them.
 
 Stage 0 also holds ``tok_embeddings``; the last stage holds ``norm`` and ``output``. Layers are
 split evenly (one stage per rank, two per rank for looped and V-shaped schedules), by
@@ -10,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -120,22 +122,12 @@ def plan_pipeline(cfg: JobConfig, n_layers: int, tied_embeddings: bool, pp: int)
     return PipelinePlan(schedule, mbs, tuple(tuple(s) for s in layers))
 
 
-def check_pipeline(cfg: JobConfig, parallel_dims: ParallelDims) -> PipelinePlan:
-    """Validate every pipeline setting before any process group starts (depth and tying come
-    from the configured flavor; no model is built)."""
-    from titan_core.models import get_flavor
-
-    if parallel_dims.dp_replicate > 1 and not parallel_dims.fsdp_enabled:
-        raise ConfigError(
-            "parallelism.data_parallel_replicate_degree: pipeline stages do not compose with "
-            "DDP-style replication; use data_parallel_shard_degree (FSDP/HSDP) for data parallel"
-        )
-    args = get_flavor(cfg.model.name, cfg.model.flavor)
-    n_layers = cfg.model.n_layers if cfg.model.n_layers > 0 else args.n_layers
-    return plan_pipeline(cfg, n_layers, args.tie_word_embeddings, parallel_dims.pp)
+def plan_decoder_pipeline(cfg: JobConfig, model_args: Any, pp: int) -> PipelinePlan:
+    """``plan_pipeline`` for a decoder family's args (depth and tying come from them)."""
+    return plan_pipeline(cfg, model_args.n_layers, model_args.tie_word_embeddings, pp)
 
 
-def pipeline_llama(
+def pipeline_decoder(
     model: nn.Module,
     parallel_dims: ParallelDims,
     cfg: JobConfig,
@@ -145,9 +137,7 @@ def pipeline_llama(
 ) -> tuple[pp_lib.PipelineRunner, list[nn.Module]]:
     """Split ``model`` (meta) into this rank's stages, ``parallelize`` each, and build the
     schedule; returns the runner and the parts (still to be materialized and initialized)."""
-    plan = plan_pipeline(
-        cfg, model.model_args.n_layers, model.model_args.tie_word_embeddings, parallel_dims.pp
-    )
+    plan = plan_decoder_pipeline(cfg, model.model_args, parallel_dims.pp)
     pp_mesh = parallel_dims.mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = pp_lib.stage_ids_this_rank(

@@ -1,0 +1,118 @@
+"""The model protocol: what a family registers so that the engine can build, parallelize, split,
+convert, size and evaluate it without knowing it.
+
+A family is a package (``titan_core.models.<family>`` or any importable module) exposing
+``MODEL_SPEC = ModelSpec(...)``. Engine code reaches a family only through its spec (see
+``titan_core.models.get_model_spec``); docs/models.md is the guide and checklist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from titan_core.config.job import Float8, JobConfig
+    from titan_core.distributed.parallel_dims import ParallelDims
+    from titan_core.distributed.pipeline_parallel import PipelineRunner
+    from titan_core.models.common.pipeline import PipelinePlan
+
+StateDict = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """Native ⇄ Hugging Face ``transformers`` names, tensor layouts and config.
+
+    ``to_hf``/``from_hf`` map whole or partial state dicts (a subset of keys maps to the
+    corresponding subset; dcp-to-hf streams tensor by tensor), ``to_hf_config`` gives the
+    ``config.json`` content (``architectures`` and ``model_type`` included), ``from_hf_config``
+    the model args of a ``config.json`` (CheckpointError naming ``source`` when it cannot).
+    """
+
+    architectures: tuple[str, ...]
+    """``config.json`` ``architectures`` values this family reads (e.g. ``LlamaForCausalLM``)."""
+    model_type: str
+    to_hf: Callable[[StateDict, Any], StateDict]
+    from_hf: Callable[[StateDict, Any], StateDict]
+    to_hf_config: Callable[[Any], dict[str, Any]]
+    from_hf_config: Callable[[dict[str, Any], str], Any]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the engine needs to build, parallelize, split, size and convert one family.
+
+    ``parallelize(model, parallel_dims, cfg)`` applies TP/SP, AC, compile and FSDP in place;
+    ``pipeline(model, parallel_dims, cfg, device, loss_fn, parallelize)`` splits the meta model
+    into this rank's stages and returns (runner, parts); ``plan_pipeline(cfg, args, pp)`` is the
+    stage split both of them and ``titan estimate`` use; ``tp_plan(model, loss_parallel,
+    float8)`` the TP/SP styles by module name (estimation reads the sharded dims from it);
+    ``check(parallel_dims, cfg, device_type, args)`` refuses unsupported settings with one
+    ConfigError line before anything starts; ``nparams_and_flops(args, model, seq_len)`` the
+    parameter count and training FLOPs per token; ``config_registry`` the module whose public
+    functions are the family's recipes (``--module NAME --config FUNCTION``).
+    """
+
+    name: str
+    model_cls: type[nn.Module]
+    args_cls: type
+    flavors: Mapping[str, Any]
+    parallelize: Callable[[nn.Module, ParallelDims, JobConfig], nn.Module]
+    pipeline: Callable[..., tuple[PipelineRunner, list[nn.Module]]]
+    plan_pipeline: Callable[[JobConfig, Any, int], PipelinePlan]
+    tp_plan: Callable[[nn.Module, bool, Float8], dict[str, ParallelStyle]]
+    check: Callable[[ParallelDims, JobConfig, str, Any], None]
+    nparams_and_flops: Callable[[Any, nn.Module, int], tuple[int, int]]
+    hf: HFAdapter
+    config_registry: str
+    description: str = ""
+
+
+def decoder_spec(
+    *,
+    name: str,
+    model_cls: type[nn.Module],
+    args_cls: type,
+    flavors: Mapping[str, Any],
+    hf: HFAdapter,
+    config_registry: str,
+    description: str = "",
+    tp_plan: Callable[..., dict[str, ParallelStyle]] | None = None,
+) -> ModelSpec:
+    """A spec for a family built on ``models.common.decoder``: the shared parallel plan,
+    pipeline split, checks and FLOP count (``tp_plan`` replaces the shared TP plan)."""
+    from titan_core.models.common.parallelize import (
+        check_decoder_support,
+        decoder_tp_plan,
+        parallelize_decoder,
+    )
+    from titan_core.models.common.pipeline import pipeline_decoder, plan_decoder_pipeline
+
+    plan = tp_plan or decoder_tp_plan
+
+    def parallelize(model: nn.Module, parallel_dims: ParallelDims, cfg: JobConfig) -> nn.Module:
+        return parallelize_decoder(model, parallel_dims, cfg, plan)
+
+    return ModelSpec(
+        name=name,
+        model_cls=model_cls,
+        args_cls=args_cls,
+        flavors=flavors,
+        parallelize=parallelize,
+        pipeline=pipeline_decoder,
+        plan_pipeline=plan_decoder_pipeline,
+        tp_plan=plan,
+        check=check_decoder_support,
+        nparams_and_flops=lambda args, model, seq_len: args.get_nparams_and_flops(model, seq_len),
+        hf=hf,
+        config_registry=config_registry,
+        description=description,
+    )
