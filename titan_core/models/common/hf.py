@@ -1,4 +1,5 @@
-"""Helpers the families' Hugging Face adapters share: RoPE layout permutations and config reading.
+"""Helpers the families' Hugging Face adapters share: Llama-style tensor names, RoPE layout
+permutations and config reading.
 
 The engine's RoPE rotates interleaved channel pairs (Meta's layout); ``transformers`` rotates
 halves (``rotate_half``). Query/key projection rows (and a QK-norm's scale) are permuted within
@@ -7,6 +8,7 @@ each head on the way out and back; nothing else changes.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -27,6 +29,100 @@ def to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Exact inverse of ``to_rotate_half``."""
     rows, rest = w.shape[0], w.shape[1:]
     return w.reshape(n_heads, 2, rows // n_heads // 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+# Native -> HF names of a Llama-style decoder (Llama, Qwen3, ...); "{}" is the layer index.
+_LAYER_KEYS = {
+    "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "layers.{}.attention.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "layers.{}.attention.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "layers.{}.attention.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "layers.{}.feed_forward.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "layers.{}.feed_forward.w3.weight": "model.layers.{}.mlp.up_proj.weight",
+    "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
+    "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+}
+_QK_NORM_KEYS = {  # only in families with ``qk_norm``
+    "layers.{}.attention.q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
+    "layers.{}.attention.k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
+}
+_TOP_KEYS = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"^(model\.)?layers\.(\d+)\.(.+)$")
+
+
+def _template(key: str) -> tuple[str, str | None]:
+    """Split a per-layer key into its index-free template and the index."""
+    match = _LAYER_RE.match(key)
+    if match is None:
+        return key, None
+    prefix, index, rest = match.groups()
+    return f"{prefix or ''}layers.{{}}.{rest}", index
+
+
+def _names(args: Any) -> tuple[dict[str, str], dict[str, int]]:
+    """(native -> HF per-layer templates, native templates RoPE-permuted -> their head count).
+
+    A QK-norm scale is one head's channels shared by all heads: permuted as a single head."""
+    layer = {**_LAYER_KEYS, **(_QK_NORM_KEYS if args.qk_norm else {})}
+    rope = {
+        "layers.{}.attention.wq.weight": args.n_heads,
+        "layers.{}.attention.wk.weight": args.num_kv_heads,
+        "layers.{}.attention.q_norm.weight": 1,
+        "layers.{}.attention.k_norm.weight": 1,
+    }
+    return layer, rope
+
+
+def decoder_to_hf(
+    state_dict: dict[str, torch.Tensor], args: Any, family: str
+) -> dict[str, torch.Tensor]:
+    """Native decoder state dict (whole or any subset) -> HF Llama-style names and RoPE layout
+    (``lm_head`` left out when tied); ``family`` names the model in errors."""
+    layer, rope = _names(args)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if key == "output.weight" and args.tie_word_embeddings:
+            continue
+        template, index = _template(key)
+        hf_template = layer.get(template) if index is not None else _TOP_KEYS.get(key)
+        if hf_template is None:
+            raise CheckpointError(f"to_hf: unexpected {family} state dict key {key!r}")
+        if template in rope:
+            value = to_rotate_half(value, rope[template])
+        out[hf_template.format(index)] = value
+    return out
+
+
+def decoder_from_hf(
+    hf_state_dict: dict[str, torch.Tensor], args: Any, family: str
+) -> dict[str, torch.Tensor]:
+    """Inverse of ``decoder_to_hf``; a tied ``output.weight`` is the embedding tensor itself."""
+    layer, rope = _names(args)
+    from_layer = {hf: native for native, hf in layer.items()}
+    from_top = {hf: native for native, hf in _TOP_KEYS.items()}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in hf_state_dict.items():
+        # Older exports carry the rotary table; it is recomputed from the args here.
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        if key == "lm_head.weight" and args.tie_word_embeddings:
+            continue
+        template, index = _template(key)
+        native = from_layer.get(template) if index is not None else from_top.get(key)
+        if native is None:
+            raise CheckpointError(f"from_hf: unexpected Hugging Face {family} key {key!r}")
+        if native in rope:
+            value = to_interleaved(value, rope[native])
+        out[native.format(index)] = value
+    # The native module registers the tied tensor under both names, so a strict load needs both.
+    if args.tie_word_embeddings and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
 
 
 def require_keys(config: dict[str, Any], source: str, keys: tuple[str, ...]) -> None:
