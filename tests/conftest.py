@@ -62,6 +62,25 @@ def parity_reference(tmp_path_factory: pytest.TempPathFactory, parity_seed: Path
     return run_layout(tmp_path_factory.mktemp("parity_ref"), parity_seed, nproc=1, dp=1)
 
 
+@pytest.fixture(scope="session")
+def qwen3_parity_seed(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> Path:
+    """The seed checkpoint of the tiny Qwen3 (``parallel_harness.QWEN3_MODEL``)."""
+    from parallel_harness import QWEN3_MODEL, make_seed_checkpoint
+
+    return make_seed_checkpoint(tmp_path_factory.mktemp("qwen3_parity_seed"), QWEN3_MODEL)
+
+
+@pytest.fixture(scope="session")
+def qwen3_parity_reference(
+    tmp_path_factory: pytest.TempPathFactory, qwen3_parity_seed: Path
+) -> dict:
+    """10-step losses of the tiny Qwen3 on one process from its seed checkpoint."""
+    from parallel_harness import QWEN3_MODEL, run_layout
+
+    dump = tmp_path_factory.mktemp("qwen3_parity_ref")
+    return run_layout(dump, qwen3_parity_seed, nproc=1, dp=1, model=QWEN3_MODEL)
+
+
 # --- pipeline: one Prefect test harness (temporary API server + database) per session ----------
 
 

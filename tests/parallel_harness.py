@@ -14,7 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,15 +23,17 @@ from tasks.parity import common_args as parity_args
 
 # Tiny Llama: dim 64, 4 heads / 2 kv heads, 4 layers (enough for 2 ranks x 2 virtual stages).
 MODEL = ["--module", "llama3", "--config", "llama3_debugmodel_tiny", "--model.n_layers", "4"]
+# Tiny Qwen3: QK-norm, 4 heads of 32 channels (n_heads * head_dim != dim), the same depth.
+QWEN3_MODEL = ["--module", "qwen3", "--config", "qwen3_debugmodel_tiny", "--model.n_layers", "4"]
 GLOBAL_BATCH = 4  # sequences per step, across all data-parallel ranks
 STREAMS = 4  # fixed data streams: DP degrees 1, 2 and 4 see identical samples
 SEQ_LEN = 32
 
 
-def common_args(dump: Path, steps: int) -> list[str]:
+def common_args(dump: Path, steps: int, model: Sequence[str] = MODEL) -> list[str]:
     """Config shared by every parity run (fp32, deterministic, no saves, no validation): the
-    ``parallelism_parity`` flow's own overrides, on the tiny model."""
-    return [*MODEL, "--job.dump_folder", str(dump), *parity_args(steps, SEQ_LEN, STREAMS)]
+    ``parallelism_parity`` flow's own overrides, on ``model`` (the tiny Llama unless given)."""
+    return [*model, "--job.dump_folder", str(dump), *parity_args(steps, SEQ_LEN, STREAMS)]
 
 
 def free_port() -> int:
@@ -45,9 +47,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "AUTO,STRICT"}
 
 
-def make_seed_checkpoint(dump: Path) -> Path:
-    """Write the seed checkpoint (one process, every degree 1); returns its directory."""
-    args = [*MODEL, "--job.dump_folder", str(dump), "--checkpoint.enable"]
+def make_seed_checkpoint(dump: Path, model: Sequence[str] = MODEL) -> Path:
+    """Write the seed checkpoint of ``model`` (one process, every degree 1); returns its
+    directory."""
+    args = [*model, "--job.dump_folder", str(dump), "--checkpoint.enable"]
     args += ["--checkpoint.create_seed_checkpoint", "--training.seq_len", str(SEQ_LEN)]
     proc = subprocess.run(
         [sys.executable, "-m", "titan_core.train", *args],
@@ -85,14 +88,20 @@ def train_layout(
     backend: str = "",
     launch: dict[str, Any] | None = None,
     on_line: Callable[[str], None] | None = None,
+    model: Sequence[str] = MODEL,
 ) -> LayoutRun:
     """Train ``steps`` steps from ``seed`` on ``nproc`` processes (one process: no launcher;
     else through ``titan_core.launch``: ``local`` torchrun, or ``nnodes`` agents with
     ``local_multinode`` or ``slurm``) with ``dp`` data-parallel ranks and the ``extra``
     overrides. Steps ``start``..``steps`` must be logged (a run resuming from a step checkpoint
-    under ``dump`` logs only the steps after it). ``launch``: more ``Launch`` settings."""
+    under ``dump`` logs only the steps after it). ``launch``: more ``Launch`` settings;
+    ``model``: the model arguments (those the seed checkpoint was written with)."""
     shutil.copytree(seed, dump / "checkpoint" / "seed")
-    args = [*common_args(dump, steps), "--training.local_batch_size", str(GLOBAL_BATCH // dp)]
+    args = [
+        *common_args(dump, steps, model),
+        "--training.local_batch_size",
+        str(GLOBAL_BATCH // dp),
+    ]
     args += list(extra)
     if nproc == 1 and not backend:
         proc = subprocess.run(

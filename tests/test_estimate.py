@@ -287,6 +287,75 @@ def test_tp_pp_split_covers_the_model_once(assets: Path) -> None:
     assert total == layout.num_params + norms  # each norm is held by both TP ranks
 
 
+QWEN3_DEBUG = ["--module", "qwen3", "--config", "qwen3_debugmodel"]
+
+
+def test_qwen3_8b_on_8_ranks_through_the_family_spec(
+    assets: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`titan estimate --module qwen3 --config qwen3_8b --ngpu 8`: the published 8B's count
+    (untied 151,936-token tables, QK-norm scales included) and exact FSDP shards."""
+    assert main(["--module", "qwen3", "--config", "qwen3_8b", "--ngpu", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["name"] == "qwen3" and out["model"]["n_layers"] == 36
+    assert out["model"]["num_params"] == 8_190_735_360
+    assert out["degrees"] == {"dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 1, "pp": 1}
+    assert out["memory"]["params"] == 8_190_735_360 // 8 * 4  # every dim 0 divides by 8
+
+
+def test_qwen3_pipeline_and_tp_shapes_come_from_the_spec(assets: Path) -> None:
+    """Per-rank layers are the family's own stage split (``spec.plan_pipeline``) on uneven
+    split points; TP-local shapes follow its TP plan: projections split, QK-norm replicated."""
+    from titan_core.distributed.pipeline_parallel import stage_ids_this_rank
+    from titan_core.models import get_model_spec
+
+    cfg = parse_args(
+        [
+            *QWEN3_DEBUG,
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--parallelism.pipeline_parallel_split_points",
+            "layers.1",
+            "layers.2",
+            "layers.5",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "2",
+        ]
+    )
+    layout = build_layout(cfg, world_size=8)
+    plan = get_model_spec("qwen3").plan_pipeline(cfg, layout.model_args, 2)
+    assert plan.stage_layers == ((0,), (1,), (2, 3, 4), (5,))
+    for rank in layout.ranks:
+        stages = stage_ids_this_rank(rank.pp_rank, 2, plan.num_stages, plan.schedule)
+        assert rank.layers == tuple(i for s in stages for i in plan.stage_layers[s])
+    assert [r.layers for r in layout.ranks] == [(0, 2, 3, 4), (1, 5)]
+    assert [(r.has_embedding, r.has_head) for r in layout.ranks] == [(True, False), (False, True)]
+
+    args = layout.model_args
+    shapes = rank_param_shapes(layout, layout.ranks[0])
+    hd = args.head_dim
+    assert shapes["layers.0.attention.wq.weight"] == (args.n_heads * hd // 2, args.dim)
+    assert shapes["layers.0.attention.wo.weight"] == (args.dim, args.n_heads * hd // 2)
+    assert shapes["layers.0.attention.q_norm.weight"] == (hd,)  # SequenceParallel: whole
+    assert shapes["tok_embeddings.weight"] == (math.ceil(args.vocab_size / 2), args.dim)
+    total = sum(
+        math.prod(s) * 2 for r in layout.ranks for s in rank_param_shapes(layout, r).values()
+    )
+    norms = sum(math.prod(s) for n, s in layout.param_shapes.items() if "norm" in n)
+    assert total == layout.num_params + norms  # each norm is held by both TP ranks
+
+
+def test_qwen3_tied_flavor_refuses_pipeline_like_training(assets: Path) -> None:
+    """The estimate refuses what training refuses: a tied table split over stages."""
+    argv = ["--module", "qwen3", "--config", "qwen3_0_6b"]
+    with pytest.raises(ConfigError, match="tie_word_embeddings"):
+        build_layout(parse_args([*argv, "--parallelism.pipeline_parallel_degree", "2"]), 2)
+
+
 def test_405b_on_64_ranks_is_fast_and_allocates_nothing() -> None:
     """405B at 64 ranks (tp 8 x dp_shard 8) estimates in seconds with a small resident set."""
     code = (

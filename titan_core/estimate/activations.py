@@ -13,13 +13,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -93,12 +94,16 @@ class PartProfile:
     """Backward FLOPs, recomputation under activation checkpointing included."""
 
 
-def _fake_params(module: nn.Module, dtype: torch.dtype, tp: int) -> None:
-    """Replace every parameter by a fake one of its TP-local shape in ``dtype``."""
+def _fake_params(
+    module: nn.Module, dtype: torch.dtype, tp: int, shard_dims: Mapping[str, int]
+) -> None:
+    """Replace every parameter by a fake one of its TP-local shape in ``dtype``; ``shard_dims``
+    gives the TP-sharded dim by parameter name relative to ``module``."""
     for prefix, mod in module.named_modules():
         for name, p in list(mod._parameters.items()):
             if p is not None:
-                shape = tp_local_shape(f"{prefix}.{name}", tuple(p.shape), tp)
+                fqn = f"{prefix}.{name}".replace(_CHECKPOINT_PREFIX, "").removeprefix(".")
+                shape = tp_local_shape(tuple(p.shape), shard_dims.get(fqn), tp)
                 mod._parameters[name] = nn.Parameter(torch.empty(shape, dtype=dtype))
 
 
@@ -160,9 +165,16 @@ def _hidden(layout: Layout, batch: int, seq: int) -> torch.Tensor:
     return torch.empty(batch, seq, dim, dtype=layout.param_dtype, requires_grad=True)
 
 
-def profile_block(layout: Layout, block: nn.Module, ac_mode: str, batch: int) -> PartProfile:
-    """One block at TP-local shapes on ``batch`` sequences; ``ac_mode``: none, full or op."""
+def profile_block(
+    layout: Layout, name: str, block: nn.Module, ac_mode: str, batch: int
+) -> PartProfile:
+    """Block ``name`` (``layers.0``) at TP-local shapes on ``batch`` sequences; ``ac_mode``:
+    none, full or op."""
     args, seq = layout.model_args, layout.local_seq
+    prefix = f"{name}."
+    shard_dims = {
+        k.removeprefix(prefix): d for k, d in layout.tp_shard_dims.items() if k.startswith(prefix)
+    }
     block = copy.deepcopy(block)
     if ac_mode != "none":
         ac = layout.cfg.activation_checkpoint
@@ -173,7 +185,7 @@ def profile_block(layout: Layout, block: nn.Module, ac_mode: str, batch: int) ->
         )
         block = wrapped["0"]
     with FakeTensorMode():
-        _fake_params(block, layout.param_dtype, layout.dims.tp)
+        _fake_params(block, layout.param_dtype, layout.dims.tp, shard_dims)
         freqs = torch.empty(seq, args.head_dim // 2, dtype=torch.complex64)
         x = _hidden(layout, batch, seq)
         return _profile(block, x, [freqs], lambda h: block(h, freqs), layout.autocast_dtype)
@@ -184,7 +196,7 @@ def profile_head(layout: Layout, norm: nn.Module, output: nn.Module, batch: int)
     head = nn.ModuleDict({"norm": copy.deepcopy(norm), "output": copy.deepcopy(output)})
     seq = layout.local_seq
     with FakeTensorMode():
-        _fake_params(head, layout.param_dtype, layout.dims.tp)
+        _fake_params(head, layout.param_dtype, layout.dims.tp, layout.tp_shard_dims)
         if layout.local_vocab != head["output"].weight.shape[0]:  # loss parallel off: gathered
             head["output"].weight = nn.Parameter(
                 torch.empty(layout.local_vocab, layout.model_args.dim, dtype=layout.param_dtype)
@@ -202,7 +214,7 @@ def profile_norm(layout: Layout, norm: nn.Module, batch: int) -> PartProfile:
     """One RMSNorm: sequence parallelism splits what it saves over tp."""
     norm = copy.deepcopy(norm)
     with FakeTensorMode():
-        _fake_params(norm, layout.param_dtype, 1)
+        _fake_params(norm, layout.param_dtype, 1, {})
         x = _hidden(layout, batch, layout.local_seq)
         return _profile(norm, x, [], norm, layout.autocast_dtype)
 
@@ -255,8 +267,9 @@ def profile_layout(layout: Layout) -> Profiles:
     """Measure every block kind the config uses, the head, and (under TP) one norm."""
     model, batch = layout.model, layout.microbatch_size
     kinds = {layer_kind(layout, i) for i in range(layout.model_args.n_layers)} | {"none"}
-    first = next(iter(model.layers.values()))
-    blocks = {kind: profile_block(layout, first, kind, batch) for kind in sorted(kinds)}
+    key, first = next(iter(model.layers.items()))
+    name = f"layers.{key}"
+    blocks = {kind: profile_block(layout, name, first, kind, batch) for kind in sorted(kinds)}
     head = profile_head(layout, model.norm, model.output, batch)
     norm = profile_norm(layout, model.norm, batch) if layout.dims.tp > 1 else None
     return Profiles(blocks=blocks, head=head, norm=norm)

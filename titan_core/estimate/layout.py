@@ -6,35 +6,22 @@ so that both agree on the model, the parallel plan and the batch each rank sees.
 
 from __future__ import annotations
 
-import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from titan_core.config.dtypes import TORCH_DTYPES, autocast_dtype
 from titan_core.config.job import JobConfig
+from titan_core.distributed import pipeline_parallel as pp_lib
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.errors import ConfigError
-from titan_core.models import get_flavor, get_model_spec
+from titan_core.models import ModelSpec, get_flavor, get_model_spec
 
-# torchtitan's Llama TP plan: the dim of each weight that tensor parallelism shards. Embedding and
-# output are split over the vocabulary; norms are replicated (SequenceParallel keeps them whole).
-_TP_SHARD_DIM = {
-    "tok_embeddings.weight": 0,
-    "output.weight": 0,
-    "attention.wq.weight": 0,
-    "attention.wk.weight": 0,
-    "attention.wv.weight": 0,
-    "attention.wo.weight": 1,
-    "feed_forward.w1.weight": 0,
-    "feed_forward.w3.weight": 0,
-    "feed_forward.w2.weight": 1,
-}
-_SINGLE_STAGE = ("GPipe", "1F1B")
-_LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-_V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 # Schedules that run every microbatch's forward before any backward.
 _ALL_FORWARDS_FIRST = ("GPipe", "LoopedBFS")
 
@@ -65,6 +52,9 @@ class Layout:
     """Every parameter by name; a tied table appears under both of its names."""
     tied: frozenset[str]
     """Names that alias another parameter (counted once per rank that holds both)."""
+    tp_shard_dims: Mapping[str, int]
+    """Dim that tensor parallelism shards, by parameter name (absent: replicated over tp), read
+    from the family's TP plan (``ModelSpec.tp_plan``); empty when tp is 1."""
     ranks: tuple[RankLayout, ...]
     microbatch_size: int
     num_microbatches: int
@@ -117,14 +107,47 @@ class Layout:
         return policy == "always" or (policy == "default" and self.dims.pp == 1)
 
 
-def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """Shape of parameter ``name`` on TP rank 0 (DTensor's chunking: the first ranks get ceil)."""
-    dim = next((d for suffix, d in _TP_SHARD_DIM.items() if name.endswith(suffix)), None)
+def tp_local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
+    """Shape on TP rank 0 of a parameter sharded along ``dim`` (None: replicated); DTensor's
+    chunking gives the first ranks the ceiling."""
     if tp == 1 or dim is None:
         return shape
     local = list(shape)
     local[dim] = math.ceil(shape[dim] / tp)
     return tuple(local)
+
+
+def _style_shard_dims(module: nn.Module, style: ParallelStyle) -> dict[str, int]:
+    """Dims that ``style`` shards of ``module``'s own parameters: column-wise splits a Linear's
+    output features (weight dim 0, bias) and an Embedding's columns (dim 1); row-wise splits a
+    Linear's input features (dim 1) and an Embedding's rows (dim 0). Other styles (sequence
+    parallel, input preparation) keep parameters whole."""
+    embedding = isinstance(module, nn.Embedding)
+    if isinstance(style, ColwiseParallel):
+        return {"weight": 1} if embedding else {"weight": 0, "bias": 0}
+    if isinstance(style, RowwiseParallel):
+        return {"weight": 0 if embedding else 1}
+    return {}
+
+
+def tp_shard_dims(
+    spec: ModelSpec, model: nn.Module, cfg: JobConfig, dims: ParallelDims
+) -> dict[str, int]:
+    """The TP-sharded dim of every parameter of ``model`` (meta) under the family's TP plan,
+    by parameter name; parameters absent are replicated over the ``tp`` ranks."""
+    if dims.tp == 1:
+        return {}
+    plan = spec.tp_plan(model, dims.loss_parallel_enabled(cfg.parallelism), cfg.float8)
+    out = {}
+    for fqn, style in plan.items():
+        try:
+            module = model.get_submodule(fqn)
+        except AttributeError:  # the plan names modules a family may not have (QK-norm)
+            continue
+        for pname, dim in _style_shard_dims(module, style).items():
+            if module._parameters.get(pname) is not None:
+                out[f"{fqn}.{pname}"] = dim
+    return out
 
 
 def fsdp_shard_numel(shape: tuple[int, ...], shard: int) -> int:
@@ -154,117 +177,48 @@ def resolve_vocab(cfg: JobConfig) -> tuple[int, str]:
     return flavor.vocab_size, "flavor"
 
 
-def _stage_layers(n_layers: int, num_stages: int, split_points: list[str]) -> list[list[int]]:
-    """Global layer ids of each pipeline stage (explicit split points or an even split)."""
-    if split_points:
-        starts = []
-        for point in split_points:
-            prefix, _, index = point.partition(".")
-            if prefix != "layers" or not index.isdigit():
-                raise ConfigError(
-                    "parallelism.pipeline_parallel_split_points: expected names like layers.4, "
-                    f"got {point!r}"
-                )
-            starts.append(int(index))
-        if starts != sorted(set(starts)) or not 0 < starts[0] <= starts[-1] < n_layers:
-            raise ConfigError(
-                "parallelism.pipeline_parallel_split_points: expected increasing layers in "
-                f"(0, {n_layers}), got {split_points}"
-            )
-        bounds = [0, *starts, n_layers]
-        return [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
-    base, extra = divmod(n_layers, num_stages)
-    sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
-    offsets = [sum(sizes[:s]) for s in range(num_stages)]
-    return [list(range(o, o + n)) for o, n in zip(offsets, sizes)]
+def _in_flight(schedule: str, pp: int, pp_rank: int, num_mb: int) -> int:
+    """Microbatches whose activations a pipeline rank holds at once: the schedule's warm-up."""
+    if schedule in _ALL_FORWARDS_FIRST:
+        return num_mb
+    if schedule == "1F1B":
+        return min(num_mb, pp - pp_rank)
+    return min(num_mb, pp)  # interleaved and zero-bubble schedules: about one round per stage
 
 
-def _num_stages(cfg: JobConfig, n_layers: int, pp: int) -> int:
-    """Pipeline stages in total, checked against the schedule's stages per rank."""
-    par = cfg.parallelism
-    schedule = par.pipeline_parallel_schedule
-    known = (*_SINGLE_STAGE, *_LOOPED, *_V_SHAPED)
-    if schedule not in known:
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_schedule: expected one of {', '.join(known)}, "
-            f"got {schedule!r}"
-        )
-    if par.pipeline_parallel_split_points:
-        stages = len(par.pipeline_parallel_split_points) + 1
-    elif par.pipeline_parallel_layers_per_stage > 0:
-        stages = math.ceil(n_layers / par.pipeline_parallel_layers_per_stage)
-    else:
-        stages = pp * (1 if schedule in _SINGLE_STAGE else 2)
-    if schedule in _SINGLE_STAGE:
-        want, ok = f"{pp} (one per rank)", stages == pp
-    elif schedule in _V_SHAPED:
-        want, ok = f"{2 * pp} (two per rank)", stages == 2 * pp
-    else:
-        want, ok = f"a multiple of {pp}", stages % pp == 0
-    if not ok or stages > n_layers:
-        key = "pipeline_parallel_schedule"
-        if par.pipeline_parallel_split_points:
-            key = "pipeline_parallel_split_points"
-        elif par.pipeline_parallel_layers_per_stage > 0:
-            key = "pipeline_parallel_layers_per_stage"
-        raise ConfigError(
-            f"parallelism.{key}: expected {want} stages of >= 1 of the {n_layers} layers for "
-            f"{schedule} on {pp} ranks, got {stages}"
-        )
-    return stages
-
-
-def _rank_layouts(cfg: JobConfig, n_layers: int, pp: int, num_mb: int) -> tuple[RankLayout, ...]:
-    """Which stages, layers and in-flight microbatches each pipeline rank holds."""
+def _rank_layouts(
+    spec: ModelSpec, cfg: JobConfig, model_args: Any, pp: int
+) -> tuple[tuple[RankLayout, ...], int]:
+    """What each pipeline rank holds under the family's own stage split
+    (``ModelSpec.plan_pipeline``, as training uses it), and the microbatch count."""
     if pp == 1:
-        return (RankLayout(0, tuple(range(n_layers)), True, True, 1),)
-    par = cfg.parallelism
-    schedule = par.pipeline_parallel_schedule
-    stages = _num_stages(cfg, n_layers, pp)
-    layers = _stage_layers(n_layers, stages, par.pipeline_parallel_split_points)
-    if schedule in _V_SHAPED:
-        owner = [s if s < pp else 2 * pp - 1 - s for s in range(stages)]
-    else:
-        owner = [s % pp for s in range(stages)]
+        layers = tuple(range(model_args.n_layers))
+        return (RankLayout(0, layers, True, True, 1),), 1
+    plan = spec.plan_pipeline(cfg, model_args, pp)
     out = []
     for rank in range(pp):
-        local = [s for s in range(stages) if owner[s] == rank]
-        if schedule in _ALL_FORWARDS_FIRST:
-            in_flight = num_mb
-        elif schedule == "1F1B":
-            in_flight = min(num_mb, pp - rank)
-        else:  # interleaved and zero-bubble schedules: about one round of warm-up per stage
-            in_flight = min(num_mb, pp)
+        stages = pp_lib.stage_ids_this_rank(rank, pp, plan.num_stages, plan.schedule)
+        names = [n for s in stages for n in plan.module_names(s)]
         out.append(
             RankLayout(
                 pp_rank=rank,
-                layers=tuple(i for s in local for i in layers[s]),
-                has_embedding=0 in local,
-                has_head=stages - 1 in local,
-                in_flight=in_flight,
+                layers=tuple(int(n.partition(".")[2]) for n in names if n.startswith("layers.")),
+                has_embedding="tok_embeddings" in names,
+                has_head="output" in names,
+                in_flight=_in_flight(plan.schedule, pp, rank, plan.num_microbatches),
             )
         )
-    return tuple(out)
+    return tuple(out), plan.num_microbatches
 
 
-def _check_divisible(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
-    """Microbatch size and count; the sequence must split over cp, then over tp (SP)."""
-    t, par = cfg.training, cfg.parallelism
-    if t.seq_len % dims.cp or (t.seq_len // dims.cp) % dims.tp:
+def _check_seq_len(cfg: JobConfig, dims: ParallelDims) -> None:
+    """The sequence must split over cp, then over tp (sequence parallel)."""
+    seq_len = cfg.training.seq_len
+    if seq_len % dims.cp or (seq_len // dims.cp) % dims.tp:
         raise ConfigError(
             f"training.seq_len: expected a multiple of context_parallel_degree * "
-            f"tensor_parallel_degree ({dims.cp * dims.tp}), got {t.seq_len}"
+            f"tensor_parallel_degree ({dims.cp * dims.tp}), got {seq_len}"
         )
-    if dims.pp == 1:
-        return t.local_batch_size, 1
-    if t.local_batch_size % par.pipeline_parallel_microbatch_size:
-        raise ConfigError(
-            "parallelism.pipeline_parallel_microbatch_size: expected a divisor of "
-            f"training.local_batch_size ({t.local_batch_size}), "
-            f"got {par.pipeline_parallel_microbatch_size}"
-        )
-    size = par.pipeline_parallel_microbatch_size
-    return size, t.local_batch_size // size
 
 
 def build_layout(cfg: JobConfig, world_size: int) -> Layout:
@@ -277,10 +231,12 @@ def build_layout(cfg: JobConfig, world_size: int) -> Layout:
     vocab, source = resolve_vocab(cfg)
     args = build_model_args(cfg, vocab)
     dims.validate_model(args.n_heads, args.num_kv_heads, args.n_layers)
-    mb_size, num_mb = _check_divisible(cfg, dims)
+    _check_seq_len(cfg, dims)
+    spec = get_model_spec(cfg.model.name)
+    ranks, num_mb = _rank_layouts(spec, cfg, args, dims.pp)
     with torch.device("meta"):
-        model = get_model_spec(cfg.model.name).model_cls(args)
-    num_params, flops_per_token = args.get_nparams_and_flops(model, cfg.training.seq_len)
+        model = spec.model_cls(args)
+    num_params, flops_per_token = spec.nparams_and_flops(args, model, cfg.training.seq_len)
     shapes: dict[str, tuple[int, ...]] = {}
     first_name: dict[int, str] = {}
     tied = set()
@@ -297,8 +253,9 @@ def build_layout(cfg: JobConfig, world_size: int) -> Layout:
         flops_per_token=flops_per_token,
         param_shapes=shapes,
         tied=frozenset(tied),
-        ranks=_rank_layouts(cfg, args.n_layers, dims.pp, num_mb),
-        microbatch_size=mb_size,
+        tp_shard_dims=tp_shard_dims(spec, model, cfg, dims),
+        ranks=ranks,
+        microbatch_size=cfg.training.local_batch_size // num_mb,
         num_microbatches=num_mb,
         model=model,
     )
@@ -316,9 +273,7 @@ def rank_param_shapes(layout: Layout, rank: RankLayout) -> dict[str, tuple[int, 
             held = rank.has_embedding
         else:  # final norm and output projection
             held = rank.has_head
-        # An alias is a second copy only where its twin lives on another stage.
-        if held and name in layout.tied and rank.has_embedding:
-            held = False
-        if held:
-            out[name] = tp_local_shape(name, shape, layout.dims.tp)
+        # An alias is no second copy: the stage split refuses tied tables across stages.
+        if held and name not in layout.tied:
+            out[name] = tp_local_shape(shape, layout.tp_shard_dims.get(name), layout.dims.tp)
     return out
