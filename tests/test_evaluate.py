@@ -207,6 +207,9 @@ def test_storage_urls_and_explicit_config(run_dir: Path, tmp_path: Path) -> None
     # Without the run's config.toml, --module/--config (or --config-file) say what to build.
     bare = tmp_path / "bare" / "ckpt" / "step-4"
     shutil.copytree(run_dir / "checkpoint" / "step-4", bare)
+    marker = json.loads((bare / COMMIT_MARKER).read_text())
+    del marker["model"]  # as written before markers described the model (test_model_protocol)
+    (bare / COMMIT_MARKER).write_text(json.dumps(marker))
     args = ["--checkpoint", str(bare), "--max-batches", "1", "--prompts"]
     assert eval_main(args) == 2
     assert eval_main([*args, *TINY]) == 0
@@ -329,7 +332,7 @@ def _export_hf(model: nn.Module, tokenizer: Tokenizer, out: Path) -> None:
 
     spec, args = get_model_spec("llama3"), model.model_args
     config = transformers.LlamaConfig(
-        **spec.to_hf_config(args), bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id
+        **spec.hf.to_hf_config(args), bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id
     )
     hf = transformers.LlamaForCausalLM(config)
     hf.load_state_dict(spec.to_hf(model.state_dict(), args))

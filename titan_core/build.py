@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from titan_core import storage
+from titan_core.checkpoint.manager import checkpoint_model
 from titan_core.config.job import JobConfig, parse_mix
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.distributed import simulation
@@ -23,7 +24,7 @@ from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.distributed.pipeline_parallel import PipelineRunner
 from titan_core.errors import ConfigError, DataError
 from titan_core.logging import logger
-from titan_core.models import ModelSpec, get_flavor, get_model_spec
+from titan_core.models import CHECKPOINT_FLAVOR, ModelSpec, get_flavor, get_model_spec
 
 SIDE_ROOT_ENV = "TITAN_SIDE_ROOT"
 
@@ -41,17 +42,58 @@ def local_side_folder(dump_folder: str) -> str:
     return os.path.join(os.environ.get(SIDE_ROOT_ENV) or tempfile.gettempdir(), "titan_runs", safe)
 
 
+def flavor_args(cfg: JobConfig) -> Any:
+    """A private copy of the model args ``model.flavor`` names, ``model.n_layers`` applied: the
+    family's flavor, or for the reserved flavor ``checkpoint`` the exact model that
+    ``checkpoint.initial_load_path``'s commit marker describes (vocabulary included)."""
+    if cfg.model.flavor == CHECKPOINT_FLAVOR:
+        args = _checkpoint_args(cfg)
+    else:
+        args = get_flavor(cfg.model.name, cfg.model.flavor)
+    if cfg.model.n_layers > 0:
+        args.n_layers = cfg.model.n_layers
+    return args
+
+
+def _checkpoint_args(cfg: JobConfig) -> Any:
+    path = cfg.checkpoint.initial_load_path
+    where = f"model.flavor: {CHECKPOINT_FLAVOR!r} builds the model checkpoint.initial_load_path"
+    if not path or cfg.checkpoint.initial_load_in_hf:
+        raise ConfigError(f"{where} describes, but that is not set to a DCP checkpoint")
+    found = checkpoint_model(path)
+    if found is None:
+        raise ConfigError(f"{where} describes, but {path} has no model description")
+    name, args = found
+    if name != cfg.model.name:
+        raise ConfigError(f"model.name: {path} holds a {name} model, got {cfg.model.name!r}")
+    return args
+
+
 def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> Any:
-    """The flavor's model args with the vocabulary, depth and RoPE length this job needs."""
-    args = get_flavor(cfg.model.name, cfg.model.flavor)
-    if 0 < cfg.model.vocab_size < tokenizer_vocab:
+    """The flavor's model args with the vocabulary, depth and RoPE length this job needs.
+
+    With ``model.flavor checkpoint`` the vocabulary is the described model's own.
+    """
+    args = flavor_args(cfg)
+    if cfg.model.flavor == CHECKPOINT_FLAVOR:
+        path = cfg.checkpoint.initial_load_path
+        if args.vocab_size < tokenizer_vocab:
+            raise ConfigError(
+                f"model.vocab_size: the model of {path} has {args.vocab_size} tokens, fewer "
+                f"than the tokenizer's {tokenizer_vocab} (tokenizer.path)"
+            )
+        if cfg.model.vocab_size > 0 and cfg.model.vocab_size != args.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size: the model of {path} has {args.vocab_size} tokens, "
+                f"got {cfg.model.vocab_size}"
+            )
+    elif 0 < cfg.model.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.vocab_size: expected >= the tokenizer's {tokenizer_vocab} "
             f"tokens, got {cfg.model.vocab_size}"
         )
-    args.vocab_size = cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab
-    if cfg.model.n_layers > 0:
-        args.n_layers = cfg.model.n_layers
+    else:
+        args.vocab_size = cfg.model.vocab_size if cfg.model.vocab_size > 0 else tokenizer_vocab
     if cfg.model.max_seq_len > 0:
         if cfg.model.max_seq_len < cfg.training.seq_len:
             raise ConfigError(
@@ -106,13 +148,6 @@ def check_prepared_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int = 1
                 )
 
 
-def _flavor_shapes(cfg: JobConfig) -> Any:
-    args = get_flavor(cfg.model.name, cfg.model.flavor)
-    if cfg.model.n_layers > 0:
-        args.n_layers = cfg.model.n_layers
-    return args
-
-
 def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer, Any]:
     """Every check that needs no process group: degrees, the parallel plan, tokenizer,
     prepared data (manifests, shard sizes), model shapes. Run by the trainer before
@@ -121,7 +156,7 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
     parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
     spec = get_model_spec(cfg.model.name)
     # Depth and tying from the flavor: the vocabulary (the tokenizer's) is filled in below.
-    spec.check(parallel_dims, cfg, dist_utils.device_type(), _flavor_shapes(cfg))
+    spec.check(parallel_dims, cfg, dist_utils.device_type(), flavor_args(cfg))
     if cfg.training.document_masking and (parallel_dims.pp_enabled or parallel_dims.cp_enabled):
         raise ConfigError(
             "training.document_masking: not supported with pipeline or context parallelism yet "
@@ -133,9 +168,6 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
     if parallel_dims.cp_enabled:
         # CP shards the RoPE table with the tokens, so it needs exactly one row per token.
         model_args.max_seq_len = cfg.training.seq_len
-    parallel_dims.validate_model(
-        model_args.n_heads, model_args.n_kv_heads or model_args.n_heads, model_args.n_layers
-    )
     return parallel_dims, tokenizer, model_args
 
 

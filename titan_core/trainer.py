@@ -46,7 +46,7 @@ from titan_core.distributed import utils as dist_utils
 from titan_core.distributed.context_parallel import context_parallel_context, model_cp_buffers
 from titan_core.distributed.pipeline_parallel import ModelPartsView
 from titan_core.logging import init_logger, logger
-from titan_core.models import get_model_spec
+from titan_core.models import describe_model, get_model_spec
 
 
 class Trainer:
@@ -116,6 +116,7 @@ class Trainer:
             rank=self.dist.rank,
             world_size=self.dist.world_size,
         )
+        self.checkpointer.model_description = describe_model(cfg.model.name, self.model_args)
         if cfg.checkpoint.initial_load_in_hf:
             from titan_core.convert.hf_to_dcp import load_hf_into_model
 

@@ -27,8 +27,9 @@ from titan_core.checkpoint.dcp_io import dcp_reader, dcp_writer
 from titan_core.checkpoint.states import LoadPlanner
 from titan_core.config.dtypes import TORCH_DTYPES
 from titan_core.config.job import Checkpoint as CheckpointConfig
-from titan_core.errors import CheckpointError
+from titan_core.errors import CheckpointError, storage_errors
 from titan_core.logging import logger
+from titan_core.models import model_from_description
 
 COMMIT_MARKER = ".titan_complete"
 SEED_DIR = "seed"
@@ -51,6 +52,16 @@ def read_marker(step_dir: str) -> dict[str, Any] | None:
     """The commit marker of a checkpoint directory, or None when it is incomplete."""
     path = storage.join(step_dir, COMMIT_MARKER)
     return json.loads(storage.read_text(path)) if storage.exists(path) else None
+
+
+def checkpoint_model(step_dir: str) -> tuple[str, Any] | None:
+    """(family, model args) that a checkpoint's commit marker describes; None when there is no
+    marker or it describes no model (checkpoints written before markers did)."""
+    with storage_errors(step_dir, CheckpointError):
+        marker = read_marker(step_dir)
+    if marker is None or "model" not in marker:
+        return None
+    return model_from_description(marker["model"], storage.join(step_dir, COMMIT_MARKER))
 
 
 class CheckpointManager:
@@ -77,6 +88,9 @@ class CheckpointManager:
         self.hf_loader: Callable[[str, torch.nn.Module], None] | None = None
         """Loads a Hugging Face folder into the model (``checkpoint.initial_load_in_hf``); set
         by the trainer, so that checkpointing does not depend on conversion."""
+        self.model_description: dict[str, Any] | None = None
+        """``models.describe_model`` of the trained model, written into every commit marker
+        (key ``model``) so that a checkpoint names its own model; set by the trainer."""
         self._pg = None
         if cfg.enable and cfg.async_mode != "disabled" and world_size > 1:
             # Background saves must not share a process group with training collectives.
@@ -254,7 +268,9 @@ class CheckpointManager:
         if os.environ.get(FAULT_ENV) == str(step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.rank == 0:
-            marker = {"step": step, "model_only": model_only, "time": time.time()}
+            marker: dict[str, Any] = {"step": step, "model_only": model_only, "time": time.time()}
+            if self.model_description is not None:
+                marker["model"] = self.model_description
             storage.write_text_atomic(storage.join(path, COMMIT_MARKER), json.dumps(marker))
             if path != self.seed_dir:
                 self._purge(step)

@@ -257,7 +257,11 @@ def _read_toml(path: str) -> dict[str, Any]:
 
 def load_toml(path: str | Path, base: JobConfig) -> JobConfig:
     """Apply the TOML file at ``path`` (local path or fsspec URL) onto ``base``, type-checked."""
-    path = str(path)
+    return _apply(base, _toml_values(str(path), base))
+
+
+def _toml_values(path: str, base: JobConfig) -> dict[str, Any]:
+    """The dotted-key values the TOML file at ``path`` sets, type-checked against ``base``."""
     schema = _schema(type(base))
     sections = {key.split(".")[0] for key in schema}
     values: dict[str, Any] = {}
@@ -282,7 +286,7 @@ def load_toml(path: str | Path, base: JobConfig) -> JobConfig:
             except ValueError:
                 expected = schema[key].describe()
                 raise ConfigError(f"{path}: {key}: expected {expected}, got {value!r}") from None
-    return _apply(base, values)
+    return values
 
 
 def _recipes(family: str) -> tuple[str, dict[str, Any]]:
@@ -346,6 +350,22 @@ def _pop_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:
     return value, rest
 
 
+def model_from_initial_checkpoint(cfg: JobConfig) -> JobConfig:
+    """``cfg`` building the model that ``checkpoint.initial_load_path`` describes, when it names
+    a self-describing DCP checkpoint: ``model.name`` its family, ``model.flavor`` the reserved
+    ``checkpoint`` (see ``build.flavor_args``). Otherwise ``cfg`` unchanged. Applied when the
+    user named no recipe (``--module``) and no ``model.name``/``model.flavor``."""
+    from titan_core.checkpoint.manager import checkpoint_model
+    from titan_core.models import CHECKPOINT_FLAVOR
+
+    path = cfg.checkpoint.initial_load_path
+    found = None if not path or cfg.checkpoint.initial_load_in_hf else checkpoint_model(path)
+    if found is None:
+        return cfg
+    model = dataclasses.replace(cfg.model, name=found[0], flavor=CHECKPOINT_FLAVOR)
+    return dataclasses.replace(cfg, model=model)
+
+
 class ConfigManager:
     """Resolves a ``JobConfig`` from defaults, a registry function, a TOML file and CLI flags.
 
@@ -370,12 +390,17 @@ class ConfigManager:
         if "-h" in argv or "--help" in argv:
             self._tyro(base, ["--help"])  # prints the help and raises SystemExit(0)
         values, tyro_argv = _scan_cli(argv, _schema(self.config_cls))
+        given = set(values)
         if values.get("job.config_file"):
-            base = load_toml(values["job.config_file"], base)
+            toml_values = _toml_values(values["job.config_file"], base)
+            given |= set(toml_values)
+            base = _apply(base, toml_values)
         # Validate the overridden values here: tyro would turn a __post_init__ ConfigError
         # into its own multi-line error box and exit.
         _apply(base, values)
         cfg = self._tyro(base, tyro_argv)
+        if module is None and not given & {"model.name", "model.flavor"}:
+            cfg = model_from_initial_checkpoint(cfg)
         validate(cfg)
         return cfg
 

@@ -5,8 +5,10 @@
     titan convert hf-to-dcp --hf PATH_OR_URL --output URL
 
 dcp-to-hf needs the job's model config: by default the ``config.toml`` a training job saved two
-levels above ``<dump>/checkpoint/step-N``; ``--module/--config``, ``--config-file`` and config
-overrides (e.g. ``--model.n_layers 4``, ``--tokenizer.path P``) replace or adjust it.
+levels above ``<dump>/checkpoint/step-N``, else the model the checkpoint's commit marker describes
+(every checkpoint ``titan train`` or ``hf-to-dcp`` writes does); ``--module/--config``,
+``--config-file`` and config overrides (e.g. ``--model.n_layers 4``, ``--tokenizer.path P``)
+replace or adjust it.
 Paths may be local or fsspec URLs (``s3://``, credentials from the AWS_* environment).
 """
 
@@ -75,7 +77,8 @@ def _build_parser() -> _Parser:
         allow_abbrev=False,
         epilog="Any other --section.field VALUE overrides the model config (e.g. "
         "--model.n_layers 4, --tokenizer.path P). Without --module/--config or --config-file "
-        "the config is the config.toml two levels above the checkpoint (<dump>/config.toml).",
+        "the config is the config.toml two levels above the checkpoint (<dump>/config.toml), "
+        "else the model the checkpoint describes.",
     )
     to_hf.add_argument("--checkpoint", required=True, help="DCP step directory (path or URL)")
     to_hf.add_argument("--output", required=True, help="new HF folder (path or URL)")
@@ -111,9 +114,13 @@ def _job_config_argv(ns: argparse.Namespace, overrides: list[str]) -> list[str]:
         parent = posixpath.dirname if storage.is_url(ns.checkpoint) else _local_dirname
         config_file = storage.join(parent(parent(ns.checkpoint.rstrip("/"))), "config.toml")
         if not storage.exists(config_file):
+            from titan_core.checkpoint.manager import checkpoint_model
+
+            if checkpoint_model(ns.checkpoint) is not None:  # its marker describes the model
+                return ["--checkpoint.initial_load_path", ns.checkpoint, *overrides]
             raise ConfigError(
-                f"no model config for {ns.checkpoint}: {config_file} not found; "
-                "pass --module/--config or --config-file"
+                f"no model config for {ns.checkpoint}: {config_file} not found and the "
+                "checkpoint describes no model; pass --module/--config or --config-file"
             )
     if config_file is not None:
         argv += ["--job.config_file", config_file]

@@ -132,8 +132,9 @@ def _read_plan(
     to_hf = model_spec(model_args, model_name).hf.to_hf
     planned = []
     for name, shape in expected.items():
-        if model_args.tie_word_embeddings and name == "output.weight":
-            continue  # the embedding table itself; transformers ties lm_head on load
+        hf_names = list(to_hf({name: torch.empty(shape, device="meta")}, model_args))
+        if not hf_names:
+            continue  # dropped by the family (a tied output: transformers ties it on load)
         md = saved.get(name)
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(
@@ -144,7 +145,7 @@ def _read_plan(
                 f"checkpoint: tensor {MODEL_PREFIX}{name} has shape {tuple(md.size)}, expected "
                 f"{shape} for this model (check the flavor, vocab_size and n_layers)"
             )
-        (hf_name,) = to_hf({name: torch.empty(shape, device="meta")}, model_args)
+        (hf_name,) = hf_names
         planned.append(PlannedTensor(name, hf_name, shape, md.properties.dtype))
     return metadata, planned
 
@@ -246,14 +247,16 @@ def row_order(
 
 # ---------------------------------------------------------------- output files
 def hf_config(model_args: Any, dtype: str, tok: Tokenizer | None, model_name: str | None) -> dict:
-    """``config.json`` contents; the 4.x rope keys are added for readers that predate v5."""
+    """``config.json`` contents; for RoPE models the 4.x rope keys are added for readers that
+    predate v5."""
     config = {**model_spec(model_args, model_name).hf.to_hf_config(model_args)}
-    rope = config["rope_parameters"]
-    config["rope_theta"] = rope["rope_theta"]
-    scaled = rope["rope_type"] != "default"
-    config["rope_scaling"] = (
-        {k: v for k, v in rope.items() if k != "rope_theta"} if scaled else None
-    )
+    rope = config.get("rope_parameters")
+    if rope is not None:
+        config["rope_theta"] = rope["rope_theta"]
+        scaled = rope["rope_type"] != "default"
+        config["rope_scaling"] = (
+            {k: v for k, v in rope.items() if k != "rope_theta"} if scaled else None
+        )
     config["torch_dtype"] = dtype
     if tok is not None:
         config.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
@@ -337,7 +340,7 @@ def dcp_to_hf(
     progress: bool = False,
     model_name: str | None = None,
 ) -> list[str]:
-    """Export a DCP checkpoint (any sharding, local path or fsspec URL) as an HF Llama folder.
+    """Export a DCP checkpoint (any sharding, local path or fsspec URL) as an HF folder.
 
     Publishes ``output`` atomically once complete; returns the shard file names.
     """

@@ -30,7 +30,7 @@ from titan_core.convert import StagedOutput, expected_shapes, format_size, stora
 from titan_core.convert.dcp_to_hf import INDEX_FILE
 from titan_core.errors import CheckpointError
 from titan_core.logging import logger
-from titan_core.models import spec_for_args, spec_for_hf_config
+from titan_core.models import describe_model, spec_for_args, spec_for_hf_config
 
 SINGLE_FILE = "model.safetensors"
 _MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
@@ -139,7 +139,7 @@ def check_hf_weights(hf: str, weights: dict[str, HFTensor], model_args: Any) -> 
     expected = {k: tuple(v.shape) for k, v in to_hf(meta, model_args).items()}
     for name, t in weights.items():
         if name.endswith("rotary_emb.inv_freq") or (
-            name == "lm_head.weight" and model_args.tie_word_embeddings
+            name == "lm_head.weight" and getattr(model_args, "tie_word_embeddings", False)
         ):
             continue  # from_hf drops them: recomputed from the args / the tied embedding
         if name not in expected:
@@ -188,19 +188,22 @@ def read_hf_model_args(hf: str) -> Any:
 def hf_to_dcp(hf: str, output: str, *, model_args: Any | None = None) -> Any:
     """Save an HF folder as a committed model-only DCP checkpoint (step 0) at ``output``.
 
-    Model args come from ``config.json`` unless given; returns the args used.
+    Model args come from ``config.json`` unless given; returns the args used. The commit marker
+    describes the model (``models.describe_model``), so dcp-to-hf, ``titan eval`` and
+    ``titan train --checkpoint.initial_load_path`` need no config for it.
     """
     hf = hf.rstrip("/")
     model_args = model_args if model_args is not None else read_hf_model_args(hf)
     weights = list_hf_weights(hf)
     check_hf_weights(hf, weights, model_args)
     state_dict = load_hf_state_dict(weights, model_args)
+    model = describe_model(spec_for_args(model_args).name, model_args)  # self-describing
     with StagedOutput(output, last=COMMIT_MARKER) as out:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             writer = dcp_writer(out.staging)
             dcp.save({"model": state_dict}, storage_writer=writer, no_dist=True)
-        marker = {"step": 0, "model_only": True, "time": time.time(), "source": hf}
+        marker = {"step": 0, "model_only": True, "time": time.time(), "source": hf, "model": model}
         storage.write_text_atomic(storage.join(out.staging, COMMIT_MARKER), json.dumps(marker))
     nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
     logger.info("Wrote DCP checkpoint %s (%s) from %s", output, format_size(nbytes), hf)

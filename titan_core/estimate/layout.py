@@ -20,7 +20,7 @@ from titan_core.config.job import JobConfig
 from titan_core.distributed import pipeline_parallel as pp_lib
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.errors import ConfigError
-from titan_core.models import ModelSpec, get_flavor, get_model_spec
+from titan_core.models import CHECKPOINT_FLAVOR, ModelSpec, get_model_spec
 
 # Schedules that run every microbatch's forward before any backward.
 _ALL_FORWARDS_FIRST = ("GPipe", "LoopedBFS")
@@ -164,13 +164,16 @@ def resolve_vocab(cfg: JobConfig) -> tuple[int, str]:
     tokenizer, so they use its size; published flavors use their own vocabulary (a real run of
     that size passes the matching tokenizer).
     """
+    from titan_core.build import flavor_args
     from titan_core.data import Tokenizer, default_tokenizer_path
 
     if cfg.model.vocab_size > 0:
         return cfg.model.vocab_size, "model.vocab_size"
     if cfg.tokenizer.path:
         return Tokenizer(cfg.tokenizer.path).n_words, "tokenizer.path"
-    flavor = get_flavor(cfg.model.name, cfg.model.flavor)
+    flavor = flavor_args(cfg)  # a family's flavor, or the model a checkpoint describes
+    if cfg.model.flavor == CHECKPOINT_FLAVOR:
+        return flavor.vocab_size, "checkpoint"
     bundled = default_tokenizer_path()
     if cfg.model.flavor.startswith("debug") and bundled.exists():
         return Tokenizer(str(bundled)).n_words, "bundled tokenizer"

@@ -5,8 +5,10 @@
                [--lm-eval-tasks T ... --lm-eval-task-dir DIR [--hf-folder URL] [--lm-eval-limit N]]
                [--section.field VALUE ...]
 
-The job config defaults to the run's own ``config.toml`` (two levels above a step directory);
-``--section.field value`` overrides apply on top (``titan config --help`` lists them). Under
+The job config defaults to the run's own ``config.toml`` (two levels above a step directory),
+else to the defaults with the model the checkpoint's commit marker describes (every checkpoint
+``titan train`` and ``titan convert hf-to-dcp`` write does); ``--section.field value`` overrides
+apply on top (``titan config --help`` lists them). Under
 torchrun (``python -m torch.distributed.run --nproc_per_node N -m titan_core.evaluate.cli ...``)
 the validation batches are split across ranks and the model is FSDP-sharded.
 """

@@ -22,7 +22,13 @@ from torch import nn
 from titan_core import storage
 from titan_core.build import build_model_args
 from titan_core.checkpoint.dcp_io import dcp_reader
-from titan_core.checkpoint.manager import COMMIT_MARKER, SEED_DIR, complete_steps, read_marker
+from titan_core.checkpoint.manager import (
+    COMMIT_MARKER,
+    SEED_DIR,
+    checkpoint_model,
+    complete_steps,
+    read_marker,
+)
 from titan_core.checkpoint.states import ModelState
 from titan_core.config.job import ActivationCheckpoint, Compile, JobConfig, Parallelism
 from titan_core.config.manager import parse_args
@@ -84,16 +90,21 @@ def _has_option(argv: list[str], *names: str) -> bool:
 
 def resolve_config(ckpt: ResolvedCheckpoint, config_argv: list[str]) -> JobConfig:
     """The job config: ``--module/--config`` or a config file when given, else the run's own
-    ``config.toml``; overrides in ``config_argv`` apply on top either way."""
+    ``config.toml``, else the defaults building the model the checkpoint's commit marker
+    describes; overrides in ``config_argv`` apply on top either way."""
     argv = list(config_argv)
     if not _has_option(argv, "--module", "--job.config_file", "--job.config-file"):
         saved = storage.join(ckpt.run_root, "config.toml")
-        if not storage.exists(saved):
+        if storage.exists(saved):
+            argv = ["--job.config_file", saved, *argv]
+        elif checkpoint_model(ckpt.step_dir) is not None:
+            # model.name/flavor from the marker (config.manager.model_from_initial_checkpoint)
+            argv = ["--checkpoint.initial_load_path", ckpt.step_dir, *argv]
+        else:
             raise ConfigError(
-                f"--checkpoint: no config.toml in the run folder {ckpt.run_root}; "
-                "pass --module/--config or --config-file"
+                f"--checkpoint: no config.toml in the run folder {ckpt.run_root} and the "
+                "checkpoint describes no model; pass --module/--config or --config-file"
             )
-        argv = ["--job.config_file", saved, *argv]
     return parse_args(argv)
 
 

@@ -9,7 +9,10 @@ or a module exposing ``MODEL_SPEC``. Nothing here imports a family at import tim
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
+import types
+import typing
 from importlib.metadata import entry_points
 from types import ModuleType
 from typing import Any
@@ -18,6 +21,8 @@ from titan_core.errors import CheckpointError, ConfigError
 from titan_core.models.protocol import HFAdapter, ModelSpec, StateDict, decoder_spec
 
 ENTRY_POINT_GROUP = "titan.models"
+CHECKPOINT_FLAVOR = "checkpoint"
+"""Reserved ``model.flavor``: the exact model that ``checkpoint.initial_load_path`` describes."""
 _BUILTIN = {"llama3": "titan_core.models.llama3", "qwen3": "titan_core.models.qwen3"}
 _MODEL_SPECS: dict[str, ModelSpec] = {}
 
@@ -26,6 +31,8 @@ def register_model_spec(spec: ModelSpec) -> None:
     """Add ``spec`` to the registry under ``spec.name``; names must be unique."""
     if spec.name in _MODEL_SPECS and _MODEL_SPECS[spec.name] is not spec:
         raise ValueError(f"model {spec.name!r} is already registered")
+    if CHECKPOINT_FLAVOR in spec.flavors:
+        raise ValueError(f"model {spec.name!r}: flavor name {CHECKPOINT_FLAVOR!r} is reserved")
     _MODEL_SPECS[spec.name] = spec
 
 
@@ -113,15 +120,69 @@ def spec_for_hf_config(config: dict[str, Any], source: str) -> ModelSpec:
     raise CheckpointError(f"hf: {source}: {what} is not supported; supported: {supported}")
 
 
+def describe_model(name: str, args: Any) -> dict[str, Any]:
+    """A JSON-able description of a model: its family and exact args (checkpoint markers)."""
+    return {"name": name, "args": dataclasses.asdict(args)}
+
+
+def model_from_description(description: Any, source: str) -> tuple[str, Any]:
+    """(family, args) of a ``describe_model`` result; CheckpointError naming ``source`` when it
+    names no known family or has fields the family's args do not."""
+    if not isinstance(description, dict) or not isinstance(description.get("args"), dict):
+        raise CheckpointError(f"{source}: the model description is not a {{name, args}} object")
+    name = description.get("name")
+    try:
+        spec = get_model_spec(str(name))
+    except (ConfigError, ImportError) as e:
+        raise CheckpointError(f"{source}: model family {name!r} is not available ({e})") from None
+    return spec.name, _dataclass_from(spec.args_cls, description["args"], source)
+
+
+def _dataclass_from(cls: type, values: dict[str, Any], source: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise CheckpointError(
+            f"{source}: the model description has {unknown[0]!r}, not a field of "
+            f"{cls.__name__} (written by a newer or different model family?)"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _value_of(hints[k], v, source) for k, v in values.items() if fields[k].init}
+    try:
+        obj = cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: the model description does not fit: {e}") from None
+    for k, v in values.items():
+        if not fields[k].init:
+            setattr(obj, k, _value_of(hints[k], v, source))
+    return obj
+
+
+def _value_of(tp: Any, value: Any, source: str) -> Any:
+    """``value`` (JSON) as type ``tp``: nested dataclasses rebuilt, lists back to tuples."""
+    is_union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    options = typing.get_args(tp) if is_union else (tp,)
+    if isinstance(value, dict):
+        for option in options:
+            if dataclasses.is_dataclass(option):
+                return _dataclass_from(option, value, source)  # type: ignore[arg-type]
+    if isinstance(value, list) and any(typing.get_origin(o) is tuple for o in options):
+        return tuple(value)
+    return value
+
+
 __all__ = [
+    "CHECKPOINT_FLAVOR",
     "ENTRY_POINT_GROUP",
     "HFAdapter",
     "ModelSpec",
     "StateDict",
     "decoder_spec",
+    "describe_model",
     "family_names",
     "get_flavor",
     "get_model_spec",
+    "model_from_description",
     "register_model_spec",
     "spec_for_args",
     "spec_for_hf_config",

@@ -44,6 +44,7 @@ def check_decoder_support(
     parallel_dims: ParallelDims, cfg: JobConfig, device_type: str, model_args: Any
 ) -> None:
     """Refuse features this build cannot run, before anything is launched or written."""
+    parallel_dims.validate_model(model_args.n_heads, model_args.num_kv_heads, model_args.n_layers)
     if parallel_dims.pp_enabled:
         if parallel_dims.dp_replicate > 1 and not parallel_dims.fsdp_enabled:
             raise ConfigError(
