@@ -335,7 +335,7 @@ def _export_hf(model: nn.Module, tokenizer: Tokenizer, out: Path) -> None:
         **spec.hf.to_hf_config(args), bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id
     )
     hf = transformers.LlamaForCausalLM(config)
-    hf.load_state_dict(spec.to_hf(model.state_dict(), args))
+    hf.load_state_dict(spec.hf.to_hf(model.state_dict(), args))
     hf.save_pretrained(out)
     converted = TikTokenConverter(
         vocab_file=tokenizer.path,

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from titan_core.models import (
     get_model_spec,
     model_from_description,
     register_model_spec,
+    unregister_model_spec,
 )
 from titan_core.train import main as train_main
 from titan_core.train import run
@@ -161,8 +163,13 @@ def test_checkpoint_flavor_resolution(imported: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------- a third family, from outside
-# ---------------------------------------------------------------- a third family, from outside
-register_model_spec(TOY_SPEC)  # in-process; the entry point test below reaches new processes
+@pytest.fixture
+def toy_family() -> Iterator[None]:
+    """The toy family registered in this process for one test (the entry point test below
+    reaches new processes); unregistered after, so other tests see the built-in families only."""
+    register_model_spec(TOY_SPEC)
+    yield
+    unregister_model_spec(TOY_SPEC.name)
 
 
 def _dcp_model(path: Path) -> dict[str, torch.Tensor]:
@@ -176,6 +183,7 @@ def _dcp_model(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.usefixtures("toy_family")
 def test_third_family_trains_resumes_and_converts(tmp_path: Path, assets: Path) -> None:
     """A family the engine has never heard of trains, resumes exactly, converts both ways
     (its own HF names and config.json) and refuses pipeline parallelism with one line."""

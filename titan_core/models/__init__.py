@@ -36,6 +36,12 @@ def register_model_spec(spec: ModelSpec) -> None:
     _MODEL_SPECS[spec.name] = spec
 
 
+def unregister_model_spec(name: str) -> None:
+    """Forget a spec added with ``register_model_spec`` (tests, notebooks); a built-in or
+    entry-point family is simply loaded again on next use."""
+    _MODEL_SPECS.pop(name, None)
+
+
 def _plugins() -> dict[str, Any]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
@@ -186,4 +192,5 @@ __all__ = [
     "register_model_spec",
     "spec_for_args",
     "spec_for_hf_config",
+    "unregister_model_spec",
 ]
