@@ -298,6 +298,10 @@ class Parallelism:
     """Context parallel degree (ring attention along the sequence)."""
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """How K/V shards rotate between context-parallel ranks."""
+    expert_parallel_degree: int = 1
+    """Ranks each MoE layer's routed experts are spread over (tokens travel by all-to-all);
+    carved from data_parallel_shard_degree x context_parallel_degree: a multiple of
+    context_parallel_degree that divides that product and the number of experts."""
 
     def __post_init__(self) -> None:
         for key in (
@@ -305,6 +309,7 @@ class Parallelism:
             "tensor_parallel_degree",
             "pipeline_parallel_degree",
             "context_parallel_degree",
+            "expert_parallel_degree",
             "pipeline_parallel_microbatch_size",
         ):
             value = getattr(self, key)

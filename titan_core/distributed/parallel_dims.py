@@ -20,6 +20,8 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
+    """Expert parallel degree: carved from the dp_shard x cp ranks (see ``ep_enabled``)."""
     _mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +48,28 @@ class ParallelDims:
                 f"cp({self.cp}) * tp({self.tp}) * pp({self.pp}) = {others * self.dp_shard} "
                 f"!= world size {self.world_size}"
             )
+        self._check_ep()
+
+    def _check_ep(self) -> None:
+        """Expert parallelism borrows every context-parallel rank and part of the FSDP ranks
+        (torchtitan's rule with experts tensor-parallel like the dense layers): ``ep`` must be
+        a multiple of ``cp`` and divide ``dp_shard * cp``."""
+        key = "parallelism.expert_parallel_degree"
+        if self.ep < 1:
+            raise ConfigError(f"{key}: expected an int >= 1, got {self.ep}")
+        if self.ep == 1:
+            return
+        if self.ep % self.cp:
+            raise ConfigError(
+                f"{key}: {self.ep} must be a multiple of context_parallel_degree ({self.cp}): "
+                "expert parallelism takes every context-parallel rank"
+            )
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ConfigError(
+                f"{key}: {self.ep} must divide data_parallel_shard_degree x "
+                f"context_parallel_degree = {self.dp_shard} x {self.cp} = "
+                f"{self.dp_shard * self.cp}, the ranks expert parallelism is carved from"
+            )
 
     @classmethod
     def from_config(cls, parallelism: Parallelism, world_size: int) -> ParallelDims:
@@ -57,6 +81,7 @@ class ParallelDims:
             tp=parallelism.tensor_parallel_degree,
             pp=parallelism.pipeline_parallel_degree,
             world_size=world_size,
+            ep=parallelism.expert_parallel_degree,
         )
 
     def validate_model(self, n_heads: int, n_kv_heads: int, n_layers: int) -> None:
@@ -72,9 +97,19 @@ class ParallelDims:
                 f"({n_layers})"
             )
 
+    def validate_experts(self, num_experts: int) -> None:
+        """Check that ``ep`` splits the routed experts evenly."""
+        if num_experts % self.ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree: {self.ep} must divide the number of "
+                f"experts ({num_experts})"
+            )
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the world mesh with named dims (pp, dp_replicate, dp_shard, cp, tp) and the
         flattened views the loss and FSDP use (dp, dp_shard_cp, dp_cp)."""
+        if self.ep_enabled:
+            return self._build_ep_mesh(device_type)
         names, degrees = [], []
         for name, degree in (
             ("pp", self.pp),
@@ -101,6 +136,62 @@ class ParallelDims:
         self._mesh = mesh
         return mesh
 
+    def _build_ep_mesh(self, device_type: str) -> DeviceMesh:
+        """The mesh with dp_shard split in two, (dp_shard_mod_ep, dp_shard_in_ep): experts are
+        spread over ``ep`` = (dp_shard_in_ep, cp) and FSDP-sharded over dp_shard_mod_ep (kept
+        even at size 1, the experts' FSDP mesh). The dense layers see the same flattened views
+        (dp_shard, dp, dp_shard_cp, dp_cp) as without expert parallelism."""
+        dims = [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            ("dp_shard_mod_ep", self.dp_shard_mod_ep),
+            ("dp_shard_in_ep", self.dp_shard_in_ep),
+            ("cp", self.cp),
+            ("tp", self.tp),
+        ]
+        kept = [(n, d) for n, d in dims if d > 1 or n == "dp_shard_mod_ep"]
+        names = tuple(n for n, _ in kept)
+        mesh = init_device_mesh(device_type, tuple(d for _, d in kept), mesh_dim_names=names)
+
+        def flatten(parts: tuple[str, ...], name: str) -> None:
+            present = tuple(p for p in parts if p in names)
+            if present:
+                mesh[present]._flatten(mesh_dim_name=name)
+
+        flatten(("dp_shard_mod_ep", "dp_shard_in_ep"), "dp_shard")
+        flatten(("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"), "dp")
+        flatten(("dp_shard_mod_ep", "dp_shard_in_ep", "cp"), "dp_shard_cp")
+        flatten(("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp"), "dp_cp")
+        flatten(("dp_shard_in_ep", "cp"), "ep")
+        self._mesh = mesh
+        return mesh
+
+    @property
+    def ep_enabled(self) -> bool:
+        """Whether routed experts are spread over ranks (expert parallelism)."""
+        return self.ep > 1
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        """FSDP ranks that expert parallelism takes (it takes every CP rank too)."""
+        return self.ep // self.cp if self.ep_enabled else 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """FSDP ranks left to shard each expert's weights over (its FSDP degree)."""
+        return self.dp_shard // self.dp_shard_in_ep
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """1-D mesh over the ranks one layer's experts are spread over."""
+        assert self.ep_enabled, "expert parallelism is off"
+        return self.mesh["ep"]
+
+    @property
+    def expert_fsdp_mesh_dims(self) -> tuple[str, ...]:
+        """Mesh dims the routed experts are FSDP-sharded (HSDP: replicated) over."""
+        return (("dp_replicate",) if self.dp_replicate > 1 else ()) + ("dp_shard_mod_ep",)
+
     @property
     def mesh(self) -> DeviceMesh:
         """The mesh built by ``build_mesh``."""
@@ -110,21 +201,22 @@ class ParallelDims:
     @property
     def dp_mesh(self) -> DeviceMesh:
         """1-D mesh over the ranks that see different data (flattened replicate x shard)."""
-        names = self.mesh.mesh_dim_names or ()
-        for name in ("dp", "dp_replicate", "dp_shard"):
-            if name in names:
-                return self.mesh[name]
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            return self.mesh["dp"]
+        if self.dp_replicate > 1:
+            return self.mesh["dp_replicate"]
+        # dp_shard is a mesh dim when > 1, in a world of one, and (flattened) under EP.
+        if self.dp_shard > 1 or self.world_size == 1 or self.ep_enabled:
+            return self.mesh["dp_shard"]
         raise AssertionError("the mesh has no data-parallel dimension")
 
     @property
     def dp_cp_mesh(self) -> DeviceMesh:
         """1-D mesh over the ranks whose losses average to the global one: data parallel and
         context parallel (each CP rank holds an equal share of every sequence's tokens)."""
-        names = self.mesh.mesh_dim_names or ()
-        if "cp" not in names:
+        if self.cp == 1:
             return self.dp_mesh
-        has_dp = any(n in names for n in ("dp_replicate", "dp_shard"))
-        return self.mesh["dp_cp" if has_dp else "cp"]
+        return self.mesh["dp_cp" if self.dp_degree > 1 else "cp"]
 
     @property
     def dp_enabled(self) -> bool:

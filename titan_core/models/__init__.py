@@ -23,7 +23,11 @@ from titan_core.models.protocol import HFAdapter, ModelSpec, StateDict, decoder_
 ENTRY_POINT_GROUP = "titan.models"
 CHECKPOINT_FLAVOR = "checkpoint"
 """Reserved ``model.flavor``: the exact model that ``checkpoint.initial_load_path`` describes."""
-_BUILTIN = {"llama3": "titan_core.models.llama3", "qwen3": "titan_core.models.qwen3"}
+_BUILTIN = {
+    "llama3": "titan_core.models.llama3",
+    "qwen3": "titan_core.models.qwen3",
+    "qwen3_moe": "titan_core.models.qwen3_moe",
+}
 _MODEL_SPECS: dict[str, ModelSpec] = {}
 
 

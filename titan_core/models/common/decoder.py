@@ -18,6 +18,7 @@ from titan_core.errors import ConfigError
 from titan_core.models.common.attention import Attention
 from titan_core.models.common.feed_forward import FeedForward
 from titan_core.models.common.masking import AttentionMask, document_mask, document_positions
+from titan_core.models.common.moe import MoE, MoEArgs
 from titan_core.models.common.rmsnorm import RMSNorm
 from titan_core.models.common.rope import RopeScaling, freqs_at, precompute_freqs_cis
 
@@ -44,12 +45,19 @@ class DecoderArgs:
     depth_init: bool = True
     document_positions: bool = False
     """When ``forward`` gets ``doc_ids``: RoPE positions restart at 0 at each document start."""
+    moe: MoEArgs | None = None
+    """Mixture-of-experts feed-forward for the layers ``moe_layer`` picks; None: dense only."""
 
     def __post_init__(self) -> None:
         if self.n_heads % self.num_kv_heads != 0:
             raise ConfigError(
                 f"model.n_kv_heads: expected a divisor of n_heads, got {self.n_kv_heads!r}"
             )
+
+    def moe_layer(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` has a mixture-of-experts feed-forward (every layer when
+        ``moe`` is set; families override this for interleaved dense layers)."""
+        return self.moe is not None
 
     @property
     def num_kv_heads(self) -> int:
@@ -58,14 +66,35 @@ class DecoderArgs:
 
     def num_params(self) -> int:
         """Parameter count from the shapes alone (tied embeddings counted once)."""
+        return self.param_counts()[0]
+
+    def num_activated_params(self) -> int:
+        """Parameters one token goes through (only its top-k routed experts count)."""
+        return self.param_counts()[1]
+
+    def param_counts(self) -> tuple[int, int]:
+        """(total, activated per token) parameter counts from the shapes alone."""
         dim, hd = self.dim, self.head_dim  # type: ignore[attr-defined]
         attention = dim * self.n_heads * hd * 2 + dim * self.num_kv_heads * hd * 2
         qk_norm = 2 * hd if self.qk_norm else 0
-        feed_forward = 3 * dim * self.ffn_hidden_dim  # type: ignore[attr-defined]
-        per_layer = attention + qk_norm + feed_forward + 2 * dim  # + attention_norm, ffn_norm
+        dense_ffn = 3 * dim * self.ffn_hidden_dim  # type: ignore[attr-defined]
+        total = activated = 0
+        for layer_id in range(self.n_layers):
+            ffn_total = ffn_active = dense_ffn
+            if self.moe is not None and self.moe_layer(layer_id):
+                ffn_total, ffn_active = self.moe.num_params(dim)
+            fixed = attention + qk_norm + 2 * dim  # + attention_norm, ffn_norm
+            total += fixed + ffn_total
+            activated += fixed + ffn_active
         embedding = self.vocab_size * dim
         output = 0 if self.tie_word_embeddings else self.vocab_size * dim
-        return embedding + self.n_layers * per_layer + dim + output
+        rest = embedding + dim + output
+        return total + rest, activated + rest
+
+    def inactive_expert_params(self) -> int:
+        """Routed-expert parameters a token skips (total minus activated)."""
+        total, activated = self.param_counts()
+        return total - activated
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """(parameters of ``model``, training FLOPs per token) by torchtitan's formula."""
@@ -82,7 +111,9 @@ class DecoderArgs:
             )
         head_dim = self.head_dim  # type: ignore[attr-defined]
         attention_flops = 12 * self.n_layers * self.n_heads * head_dim * seq_len
-        return nparams, 6 * (nparams - nparams_embedding) + attention_flops
+        # MoE: a token's matmuls touch only its top-k experts (activated parameters).
+        activated = nparams - nparams_embedding - self.inactive_expert_params()
+        return nparams, 6 * activated + attention_flops
 
 
 class DecoderBlock(nn.Module):
@@ -98,7 +129,13 @@ class DecoderBlock(nn.Module):
             qk_norm=args.qk_norm,
             norm_eps=args.norm_eps,
         )
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)  # type: ignore[attr-defined]
+        # A layer has either a dense ``feed_forward`` or a mixture-of-experts ``moe``.
+        self.feed_forward: FeedForward | None = None
+        self.moe: MoE | None = None
+        if args.moe is not None and args.moe_layer(layer_id):
+            self.moe = MoE(args.dim, args.moe)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)  # type: ignore[attr-defined]
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         # Residual-writing projections shrink with depth so activations do not grow with layers.
@@ -111,14 +148,16 @@ class DecoderBlock(nn.Module):
         """Map (bs, seq, dim) to (bs, seq, dim); ``mask`` None is causal attention."""
         # mask by keyword: tensor parallelism prepares the positional inputs only.
         h = x + self.attention(self.attention_norm(x), freqs_cis, mask=mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
     def init_weights(self) -> None:
         """Initialize norms and projections in place."""
         for norm in (self.attention_norm, self.ffn_norm):
             norm.init_weights()
         self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        ffn.init_weights(self.weight_init_std)
 
 
 class Decoder(nn.Module):
