@@ -7,6 +7,7 @@ estimation, none of which should import the trainer for these.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Callable
@@ -52,7 +53,37 @@ def flavor_args(cfg: JobConfig) -> Any:
         args = get_flavor(cfg.model.name, cfg.model.flavor)
     if cfg.model.n_layers > 0:
         args.n_layers = cfg.model.n_layers
+    _apply_moe_overrides(cfg, args)
     return args
+
+
+def _apply_moe_overrides(cfg: JobConfig, args: Any) -> None:
+    """``model.moe_num_experts`` / ``model.moe_top_k`` onto the flavor's ``moe`` args, checked
+    (one line naming the key) before anything is built."""
+    overrides = {
+        field: value
+        for field, key, value in (
+            ("num_experts", "moe_num_experts", cfg.model.moe_num_experts),
+            ("top_k", "moe_top_k", cfg.model.moe_top_k),
+        )
+        if value > 0
+    }
+    if not overrides:
+        return
+    moe = getattr(args, "moe", None)
+    if moe is None:
+        key = "moe_num_experts" if "num_experts" in overrides else "moe_top_k"
+        raise ConfigError(
+            f"model.{key}: {cfg.model.name} {cfg.model.flavor} has no mixture-of-experts layers"
+        )
+    num_experts = overrides.get("num_experts", moe.num_experts)
+    top_k = overrides.get("top_k", moe.top_k)
+    if top_k > num_experts:
+        raise ConfigError(
+            f"model.moe_top_k: {top_k} experts per token is more than the {num_experts} "
+            "experts of each MoE layer"
+        )
+    args.moe = dataclasses.replace(moe, **overrides)
 
 
 def _checkpoint_args(cfg: JobConfig) -> Any:

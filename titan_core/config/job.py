@@ -62,6 +62,10 @@ class Model:
     """Override the flavor's number of layers; -1 keeps the flavor's."""
     max_seq_len: int = -1
     """Override the RoPE table length; -1 uses max(flavor's, training.seq_len)."""
+    moe_num_experts: int = -1
+    """Mixture-of-experts families: override the flavor's routed experts per layer; -1 keeps."""
+    moe_top_k: int = -1
+    """Mixture-of-experts families: override the experts each token is routed to; -1 keeps."""
 
     def __post_init__(self) -> None:
         _require(
@@ -73,6 +77,9 @@ class Model:
         _require(
             self.n_layers == -1 or self.n_layers > 0, "model.n_layers", "-1 or > 0", self.n_layers
         )
+        for key in ("moe_num_experts", "moe_top_k"):
+            value = getattr(self, key)
+            _require(value == -1 or value > 0, f"model.{key}", "-1 or > 0", value)
 
 
 @dataclass(kw_only=True)
