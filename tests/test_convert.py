@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hf_helpers import assert_bitwise, convert_cli, dcp_model, hf_tensors
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -60,43 +61,6 @@ SAMPLE_TEXT = (
 
 
 # ---------------------------------------------------------------- helpers
-def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """Run the CLI module in-process; (exit code, stderr)."""
-    capsys.readouterr()
-    rc = cli.main(argv)
-    return rc, capsys.readouterr().err
-
-
-def _dcp_model(path: str) -> dict[str, torch.Tensor]:
-    """The full model tensors of a DCP checkpoint (any sharding), read into this process."""
-    md = dcp_reader(path).read_metadata().state_dict_metadata
-    state = {
-        k.removeprefix("model."): torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in md.items()
-        if k.startswith("model.")
-    }
-    dcp.load({"model": state}, storage_reader=dcp_reader(path), no_dist=True)
-    return state
-
-
-def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(set(index["weight_map"].values())):
-        tensors = load_file(folder / file)
-        assert all(index["weight_map"][k] == file for k in tensors)
-        out.update(tensors)
-    assert set(out) == set(index["weight_map"])
-    assert index["metadata"]["total_size"] == sum(t.nbytes for t in out.values())
-    return out
-
-
-def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-
-
 def _model_args(dump: Path) -> Any:
     cfg = load_toml(dump / "config.toml", JobConfig())
     return build_model_args(cfg, Tokenizer(str(default_tokenizer_path())).n_words)
@@ -110,7 +74,7 @@ def _assert_nothing_at(output: Path) -> None:
 
 def _titan_model(checkpoint: Path, dump: Path) -> Transformer:
     model = Transformer(_model_args(dump)).eval()
-    model.load_state_dict(_dcp_model(str(checkpoint)))
+    model.load_state_dict(dcp_model(str(checkpoint)))
     return model
 
 
@@ -137,16 +101,16 @@ def test_round_trip_is_bitwise(job: dict[str, Any], exported: Path, tmp_path: Pa
     assert cli.main(["hf-to-dcp", "--hf", str(exported), "--output", str(tmp_path / "dcp")]) == 0
     marker = json.loads((tmp_path / "dcp" / COMMIT_MARKER).read_text())
     assert marker["step"] == 0 and marker["model_only"] is True
-    original = _dcp_model(str(job["step"]))
+    original = dcp_model(str(job["step"]))
     assert original["tok_embeddings.weight"].dtype == torch.float32
-    _assert_bitwise(_dcp_model(str(tmp_path / "dcp")), original)
+    assert_bitwise(dcp_model(str(tmp_path / "dcp")), original)
     # The same weights as one model.safetensors without an index.
     single = tmp_path / "single"
     single.mkdir()
     shutil.copy(exported / "config.json", single)
-    save_file(_hf_tensors(exported), single / "model.safetensors")
+    save_file(hf_tensors(exported), single / "model.safetensors")
     hf_to_dcp(str(single), str(tmp_path / "dcp_single"))
-    _assert_bitwise(_dcp_model(str(tmp_path / "dcp_single")), original)
+    assert_bitwise(dcp_model(str(tmp_path / "dcp_single")), original)
 
 
 def test_export_layout_and_config(exported: Path) -> None:
@@ -162,7 +126,7 @@ def test_export_layout_and_config(exported: Path) -> None:
         "tokenizer_config.json",
         "special_tokens_map.json",
     }
-    tensors = _hf_tensors(exported)  # index consistent with the files and total_size
+    tensors = hf_tensors(exported)  # index consistent with the files and total_size
     assert all(t.dtype == torch.float32 for t in tensors.values())
     config = json.loads((exported / "config.json").read_text())
     tok = Tokenizer(str(default_tokenizer_path()))
@@ -179,17 +143,17 @@ def test_bf16_export_and_tied_embeddings(job: dict[str, Any], tmp_path: Path) ->
     args = _model_args(job["dump"])
     args.tie_word_embeddings = True
     tied = tmp_path / "tied" / "checkpoint" / "step-0"
-    model = _dcp_model(str(job["step"]))
+    model = dcp_model(str(job["step"]))
     model.pop("output.weight")
     dcp.save({"model": model}, checkpoint_id=str(tied), no_dist=True)
     (tied / COMMIT_MARKER).write_text(json.dumps({"step": 0, "model_only": True}))
     dcp_to_hf(str(tied), str(tmp_path / "hf"), model_args=args, tokenizer_path=None)
-    hf = _hf_tensors(tmp_path / "hf")
+    hf = hf_tensors(tmp_path / "hf")
     assert "lm_head.weight" not in hf and all(t.dtype == torch.bfloat16 for t in hf.values())
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["tie_word_embeddings"] is True and config["torch_dtype"] == "bfloat16"
     hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"))
-    back = _dcp_model(str(tmp_path / "dcp"))
+    back = dcp_model(str(tmp_path / "dcp"))
     assert torch.equal(back["output.weight"], back["tok_embeddings.weight"])
     assert torch.equal(back["tok_embeddings.weight"], model["tok_embeddings.weight"].bfloat16())
 
@@ -267,7 +231,7 @@ def test_fsdp_checkpoint_converts_like_single_process(
 
     # The same weights, resharded into one process and saved from there.
     single_step = tmp_path / "single" / "checkpoint" / "step-2"
-    dcp.save({"model": _dcp_model(str(fsdp_step))}, checkpoint_id=str(single_step), no_dist=True)
+    dcp.save({"model": dcp_model(str(fsdp_step))}, checkpoint_id=str(single_step), no_dist=True)
     (single_step / COMMIT_MARKER).write_text(json.dumps({"step": 2, "model_only": True}))
     single_md = dcp_reader(str(single_step)).read_metadata().state_dict_metadata
     assert len(single_md["model.tok_embeddings.weight"].chunks) == 1
@@ -277,7 +241,7 @@ def test_fsdp_checkpoint_converts_like_single_process(
     for step, out in zip((fsdp_step, single_step), hf_dirs):
         options = {"tokenizer_path": None, "dtype": "float32", "max_shard_size": SHARD}
         dcp_to_hf(str(step), str(tmp_path / out), model_args=args, **options)
-    _assert_bitwise(_hf_tensors(tmp_path / "hf_fsdp"), _hf_tensors(tmp_path / "hf_single"))
+    assert_bitwise(hf_tensors(tmp_path / "hf_fsdp"), hf_tensors(tmp_path / "hf_single"))
     indexes = [(tmp_path / d / "model.safetensors.index.json").read_text() for d in hf_dirs]
     assert indexes[0] == indexes[1]
 
@@ -385,11 +349,11 @@ def test_s3_conversion_both_ways(
 
     # Credentials are enforced: a wrong secret is one clear line, and nothing is written.
     s3_server.set_env(monkeypatch, secret_key="not-the-secret")
-    rc, err = _cli([*to_hf, "--output", hf], capsys)
+    rc, err = convert_cli([*to_hf, "--output", hf], capsys)
     assert rc == 2 and err.count("\n") == 1 and "access denied" in err, err
     # A read-only identity reads the checkpoint but cannot write the export: no partial output.
     s3_server.set_env(monkeypatch, read_only=True)
-    rc, err = _cli([*to_hf, "--output", hf], capsys)
+    rc, err = convert_cli([*to_hf, "--output", hf], capsys)
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: "), err
     fs.invalidate_cache()
     assert all("/run/" in key for key in fs.find(prefix))
@@ -405,15 +369,15 @@ def test_s3_conversion_both_ways(
 
     monkeypatch.setattr(module, "load_tensors", load_tensors)
     assert cli.main([*to_hf, "--output", hf]) == 0  # config.toml found next to the checkpoint
-    assert sorted(read_by_dcp) == sorted(_dcp_model(str(job["step"])))  # no direct reads on S3
+    assert sorted(read_by_dcp) == sorted(dcp_model(str(job["step"])))  # no direct reads on S3
     assert cli.main(["hf-to-dcp", "--hf", hf, "--output", back]) == 0
     fs.invalidate_cache()
     tops = {key[len(prefix) + 1 :].split("/")[0] for key in fs.find(prefix)}
     assert tops == {"dcp", "hf", "run"}  # no staging prefix left behind
     fs.get(f"{prefix}/hf", str(tmp_path / "hf"), recursive=True)
-    _assert_bitwise(_hf_tensors(tmp_path / "hf"), _hf_tensors(exported))
+    assert_bitwise(hf_tensors(tmp_path / "hf"), hf_tensors(exported))
     assert fs.exists(f"{prefix}/dcp/{COMMIT_MARKER}")
-    _assert_bitwise(_dcp_model(back), _dcp_model(str(job["step"])))
+    assert_bitwise(dcp_model(back), dcp_model(str(job["step"])))
 
 
 # ---------------------------------------------------------------- sharding and streaming
@@ -461,7 +425,7 @@ def test_streaming_holds_one_shard_at_a_time(
         "progress": True,
     }
     names = dcp_to_hf(str(job["step"]), str(tmp_path / "hf"), model_args=args, **options)
-    largest = max(t.nbytes for t in _dcp_model(str(job["step"])).values())
+    largest = max(t.nbytes for t in dcp_model(str(job["step"])).values())
     assert len(names) == len(reads) >= 4
     assert all(earlier == 0 for earlier, _ in reads), reads
     assert all(size <= max(limit, largest) for _, size in reads), reads
@@ -469,7 +433,7 @@ def test_streaming_holds_one_shard_at_a_time(
     for name in names:  # a shard over the limit holds a single tensor that alone exceeds it
         shard = load_file(tmp_path / "hf" / name)
         assert sum(t.nbytes for t in shard.values()) <= limit or len(shard) == 1
-    _hf_tensors(tmp_path / "hf")  # index matches the shards
+    hf_tensors(tmp_path / "hf")  # index matches the shards
 
 
 def _export(step: Path, out: Path, args: Any, dtype: str, *, direct: bool, mp: Any) -> list[str]:
@@ -505,7 +469,7 @@ def test_direct_reader_writes_what_the_dcp_reader_writes(
     ckpt = job["step"]
     if saved == "bfloat16":  # a bf16 checkpoint (what checkpoint.export_dtype writes)
         ckpt = tmp_path / "bf16"
-        weights = {k: v.bfloat16() for k, v in _dcp_model(str(job["step"])).items()}
+        weights = {k: v.bfloat16() for k, v in dcp_model(str(job["step"])).items()}
         dcp.save({"model": weights}, checkpoint_id=str(ckpt), no_dist=True)
         (ckpt / COMMIT_MARKER).write_text(json.dumps({"step": 2, "model_only": True}))
     _export(ckpt, tmp_path / "dcp", args, dtype, direct=False, mp=monkeypatch)
@@ -528,8 +492,8 @@ def test_direct_reader_writes_what_the_dcp_reader_writes(
     shards = sorted((tmp_path / "direct").glob("model-*.safetensors"))
     with safe_open(shards[0], framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
-    ref = _dcp_model(str(ckpt))
-    hf = _hf_tensors(tmp_path / "direct")
+    ref = dcp_model(str(ckpt))
+    hf = hf_tensors(tmp_path / "direct")
     torch_dtype = getattr(torch, dtype)
     assert torch.equal(hf["lm_head.weight"], ref["output.weight"].to(torch_dtype))
     wq = hf["model.layers.0.self_attn.q_proj.weight"]
@@ -600,7 +564,7 @@ def test_mixed_shards_and_row_order(
     dcp_to_hf(str(job["step"]), str(tmp_path / "mixed"), model_args=args, tokenizer_path=None,
               dtype="float32", max_shard_size=SHARD)  # fmt: skip
     _same_files(tmp_path / "mixed", tmp_path / "dcp")
-    assert located == [len(_dcp_model(str(job["step"])))]  # the real reader found them all
+    assert located == [len(dcp_model(str(job["step"])))]  # the real reader found them all
 
     # Unchanged bytes whose offsets share their place in a page (here: every offset) are copied
     # by the kernel; where it refuses (another filesystem), through a buffer.
@@ -617,7 +581,7 @@ def test_mixed_shards_and_row_order(
     monkeypatch.setattr(os, "copy_file_range", copy_file_range)
     _export(job["step"], tmp_path / "kernel", args, "float32", direct=True, mp=monkeypatch)
     _same_files(tmp_path / "kernel", tmp_path / "dcp")
-    assert sum(kernel_copies) > 0.9 * sum(t.nbytes for t in _dcp_model(str(job["step"])).values())
+    assert sum(kernel_copies) > 0.9 * sum(t.nbytes for t in dcp_model(str(job["step"])).values())
 
     def cross_device(*a: Any) -> int:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
@@ -627,7 +591,7 @@ def test_mixed_shards_and_row_order(
     _same_files(tmp_path / "written", tmp_path / "dcp")
 
     planned = {t.name: t for t in module.read_checkpoint_tensors(str(job["step"]), args)}
-    wk = _dcp_model(str(job["step"]))["layers.1.attention.wk.weight"]
+    wk = dcp_model(str(job["step"]))["layers.1.attention.wk.weight"]
     order = module.row_order(planned["layers.1.attention.wk.weight"], args)
     assert order is not None and torch.equal(wk[order], _to_rotate_half(wk, args.n_kv_heads))
     assert module.row_order(planned["layers.1.feed_forward.w1.weight"], args) is None
@@ -733,7 +697,7 @@ def test_dcp_to_hf_bad_input(
     breaker, extra, expected = _TO_HF_CASES[case]
     breaker(step)
     output = tmp_path / "hf"
-    rc, err = _cli(
+    rc, err = convert_cli(
         ["dcp-to-hf", "--checkpoint", str(step), "--output", str(output), *extra], capsys
     )
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: "), err
@@ -769,7 +733,7 @@ def test_hf_to_dcp_bad_input(
     breaker, expected = _TO_DCP_CASES[case]
     breaker(hf)
     output = tmp_path / "dcp"
-    rc, err = _cli(["hf-to-dcp", "--hf", str(hf), "--output", str(output)], capsys)
+    rc, err = convert_cli(["hf-to-dcp", "--hf", str(hf), "--output", str(output)], capsys)
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: "), err
     assert expected in err, err
     _assert_nothing_at(output)
@@ -781,7 +745,7 @@ def test_existing_output_is_left_alone(
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "keep.txt").write_text("mine")
     argv = ["dcp-to-hf", "--checkpoint", str(job["step"]), "--output", str(tmp_path / "hf")]
-    rc, err = _cli(argv, capsys)
+    rc, err = convert_cli(argv, capsys)
     assert rc == 2 and "already exists" in err and err.count("\n") == 1, err
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["keep.txt"]
 

@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from hf_helpers import assert_bitwise, dcp_model, hf_tensors
 from safetensors.torch import load_file, save_file
 from toy_family import TOY_SPEC, ToyArgs
 
 from titan_core.build import build_model_args, check_job
-from titan_core.checkpoint.dcp_io import dcp_reader
 from titan_core.checkpoint.manager import read_marker
 from titan_core.config.manager import parse_args
 from titan_core.convert import cli as convert_cli
@@ -47,19 +46,6 @@ ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {"llama3": "llama3_debugmodel_tiny", "qwen3": "qwen3_debugmodel_tiny"}
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "64"]
 SMALL += ["--lr_scheduler.warmup_steps", "1", "--validation.no_enable", "--metrics.log_freq", "1"]
-
-
-def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
-
-
-def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
 # ---------------------------------------------------------------- self-describing checkpoints
@@ -108,7 +94,7 @@ def test_hf_to_dcp_to_hf_needs_no_config(imported: dict[str, Any], tmp_path: Pat
     out = tmp_path / "hf"
     argv = ["dcp-to-hf", "--checkpoint", str(imported["dcp"]), "--output", str(out)]
     assert convert_cli.main([*argv, "--dtype", "fp32", "--no-progress"]) == 0
-    _assert_bitwise(_hf_tensors(out), load_file(imported["hf"] / "model.safetensors"))
+    assert_bitwise(hf_tensors(out), load_file(imported["hf"] / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
     source = json.loads((imported["hf"] / "config.json").read_text())
     assert {k: config[k] for k in source} == source
@@ -172,17 +158,6 @@ def toy_family() -> Iterator[None]:
     unregister_model_spec(TOY_SPEC.name)
 
 
-def _dcp_model(path: Path) -> dict[str, torch.Tensor]:
-    md = dcp_reader(str(path)).read_metadata().state_dict_metadata
-    state = {
-        k.removeprefix("model."): torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in md.items()
-        if k.startswith("model.")
-    }
-    dcp.load({"model": state}, storage_reader=dcp_reader(str(path)), no_dist=True)
-    return state
-
-
 @pytest.mark.usefixtures("toy_family")
 def test_third_family_trains_resumes_and_converts(tmp_path: Path, assets: Path) -> None:
     """A family the engine has never heard of trains, resumes exactly, converts both ways
@@ -202,10 +177,10 @@ def test_third_family_trains_resumes_and_converts(tmp_path: Path, assets: Path) 
     argv = ["dcp-to-hf", "--checkpoint", str(step), "--output", str(hf), "--dtype", "fp32"]
     assert convert_cli.main(argv) == 0
     assert json.loads((hf / "config.json").read_text())["architectures"] == ["ToyForCausalLM"]
-    weights = _dcp_model(step)
-    _assert_bitwise(_hf_tensors(hf), TOY_SPEC.hf.to_hf(weights, ToyArgs()))
+    weights = dcp_model(step)
+    assert_bitwise(hf_tensors(hf), TOY_SPEC.hf.to_hf(weights, ToyArgs()))
     assert convert_cli.main(["hf-to-dcp", "--hf", str(hf), "--output", str(tmp_path / "back")]) == 0
-    _assert_bitwise(_dcp_model(tmp_path / "back"), weights)
+    assert_bitwise(dcp_model(tmp_path / "back"), weights)
     cfg = parse_args([*toy, "--parallelism.pipeline_parallel_degree", "2"])
     with pytest.raises(ConfigError, match=r"^parallelism\.pipeline_parallel_degree: the toy"):
         check_job(cfg, world_size=2)

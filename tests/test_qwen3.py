@@ -10,12 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
+from hf_helpers import (
+    assert_bitwise,
+    assert_export_generates_like_the_engine,
+    assert_hf_to_dcp_refuses,
+    convert_cli,
+    hf_tensors,
+    rel_diff,
+)
 
-from titan_core.checkpoint.dcp_io import dcp_reader
-from titan_core.config.manager import parse_args
-from titan_core.convert import cli
 from titan_core.convert.dcp_to_hf import hf_config
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.models.qwen3 import Qwen3Model, Qwen3ModelArgs, qwen3_flavors
@@ -25,7 +28,6 @@ from titan_core.models.qwen3.state_dict_adapter import (
     to_hf,
     to_hf_config,
 )
-from titan_core.train import run
 
 transformers = pytest.importorskip("transformers")
 
@@ -62,35 +64,6 @@ def _hf_model(args: Qwen3ModelArgs) -> Any:
     return model
 
 
-def _rel_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    assert ref.abs().max() > 0.1  # O(1) logits, so the relative bound means something
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
-def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
-
-
-def _dcp_model(path: Path) -> dict[str, torch.Tensor]:
-    md = dcp_reader(str(path)).read_metadata().state_dict_metadata
-    state = {
-        k.removeprefix("model."): torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in md.items()
-        if k.startswith("model.")
-    }
-    dcp.load({"model": state}, storage_reader=dcp_reader(str(path)), no_dist=True)
-    return state
-
-
-def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    capsys.readouterr()
-    rc = cli.main(argv)
-    return rc, capsys.readouterr().err
-
-
 # ---------------------------------------------------------------- logits parity
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_logits_match_transformers_both_ways(tied: bool) -> None:
@@ -103,7 +76,7 @@ def test_logits_match_transformers_both_ways(tied: bool) -> None:
     ours = Qwen3Model(args).eval()
     ours.load_state_dict(from_hf(hf.state_dict(), args), strict=True)
     with torch.no_grad():
-        assert _rel_diff(ours(tokens), hf(tokens).logits) <= 1e-5
+        assert rel_diff(ours(tokens), hf(tokens).logits) <= 1e-5
 
     # Engine -> HF: the engine's own init (norm scales randomized), exported through to_hf.
     torch.manual_seed(2)
@@ -122,7 +95,7 @@ def test_logits_match_transformers_both_ways(tied: bool) -> None:
         hf.tie_weights()
         assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     with torch.no_grad():
-        assert _rel_diff(ours(tokens), hf.eval()(tokens).logits) <= 1e-5
+        assert rel_diff(ours(tokens), hf.eval()(tokens).logits) <= 1e-5
 
 
 @pytest.mark.parametrize("flavor", list(qwen3_flavors))
@@ -142,17 +115,15 @@ def test_hf_to_dcp_to_hf_is_bitwise(
     args = dataclasses.replace(_tiny_args(tied=False, vocab=vocab), max_seq_len=2048)
     _hf_model(args).save_pretrained(tmp_path / "hf")  # fp32, one model.safetensors
     dcp_dir, back = tmp_path / "dcp", tmp_path / "back"
-    assert (
-        _cli(["hf-to-dcp", "--hf", str(tmp_path / "hf"), "--output", str(dcp_dir)], capsys)[0] == 0
-    )
+    hf_to_dcp = ["hf-to-dcp", "--hf", str(tmp_path / "hf"), "--output", str(dcp_dir)]
+    assert convert_cli(hf_to_dcp, capsys)[0] == 0
     # No --module/--config: the DCP checkpoint names its family and args.
     argv = ["dcp-to-hf", "--checkpoint", str(dcp_dir), "--output", str(back)]
-    rc, err = _cli([*argv, "--dtype", "fp32", "--no-progress"], capsys)
+    rc, err = convert_cli([*argv, "--dtype", "fp32", "--no-progress"], capsys)
     assert rc == 0, err
-    original, again = _hf_tensors(tmp_path / "hf"), _hf_tensors(back)
-    assert sorted(original) == sorted(again) and "model.layers.0.self_attn.q_norm.weight" in again
-    for k in original:
-        assert original[k].dtype == again[k].dtype and torch.equal(original[k], again[k]), k
+    original, again = hf_tensors(tmp_path / "hf"), hf_tensors(back)
+    assert "model.layers.0.self_attn.q_norm.weight" in again
+    assert_bitwise(original, again)
     config = json.loads((back / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"]
     assert from_hf_config(config, "config.json") == args
@@ -163,36 +134,8 @@ def test_trained_checkpoint_exports_and_generates_like_the_engine(
 ) -> None:
     """2 engine training steps -> dcp-to-hf (config found next to the checkpoint) ->
     AutoModelForCausalLM: same logits, same greedy tokens."""
-    dump = tmp_path / "run"
-    argv = [*TINY, "--training.steps", "2", "--checkpoint.interval", "2", "--validation.no_enable"]
-    run(parse_args([*argv, "--job.dump_folder", str(dump)]))
-    step, out = dump / "checkpoint" / "step-2", tmp_path / "hf"
-    export = ["dcp-to-hf", "--checkpoint", str(step), "--output", str(out), "--dtype", "fp32"]
-    assert cli.main([*export, "--no-progress"]) == 0
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
-    assert type(hf).__name__ == "Qwen3ForCausalLM"
-
-    args = dataclasses.replace(
-        qwen3_flavors["debugmodel_tiny"], vocab_size=hf.config.vocab_size, max_seq_len=2048
-    )
-    model = Qwen3Model(args).eval()
-    model.load_state_dict(_dcp_model(step))
-    tok = Tokenizer(str(default_tokenizer_path()))
-    prompt = torch.tensor([tok.encode("The meaning of", bos=True, eos=False)])
-    ids = prompt
-    with torch.no_grad():
-        assert _rel_diff(model(prompt), hf(prompt).logits) <= 1e-5
-        for _ in range(6):
-            next_id = model(ids)[:, -1].argmax(-1, keepdim=True)  # (1, 1)
-            ids = torch.cat([ids, next_id], dim=1)
-        generated = hf.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            do_sample=False,
-            max_new_tokens=6,
-            eos_token_id=None,
-        )
-    assert generated.tolist() == ids.tolist()
+    flavor = qwen3_flavors["debugmodel_tiny"]
+    assert_export_generates_like_the_engine(tmp_path, TINY, Qwen3Model, flavor, "Qwen3ForCausalLM")
 
 
 # ---------------------------------------------------------------- published shapes
@@ -231,14 +174,7 @@ def test_hf_to_dcp_refuses_what_it_cannot_read(
     config: dict[str, Any], expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     base = to_hf_config(_tiny_args(tied=False))
-    content = {k: v for k, v in {**base, **config}.items() if v is not None or k not in config}
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(content))
-    rc, err = _cli(
-        ["hf-to-dcp", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "o")], capsys
-    )
-    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
-    assert expected in err and not (tmp_path / "o").exists()
+    assert_hf_to_dcp_refuses(base, config, expected, tmp_path, capsys)
 
 
 def test_args_validation_names_the_key() -> None:
@@ -252,30 +188,36 @@ def test_args_validation_names_the_key() -> None:
 
 # ---------------------------------------------------------------- the pipeline
 @pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("module", "architecture"),
+    [("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")],
+)
 def test_pipeline_trains_and_registers_a_qwen3_export(
-    prefect_harness: Path, tmp_path: Path
+    module: str, architecture: str, prefect_harness: Path, tmp_path: Path
 ) -> None:
-    """``titan pipeline run --module qwen3`` on the tiny recipe (the full debugmodel is minutes of
-    CPU): completes, registers the HF export in MLflow, and the export is a Qwen3 folder."""
+    """``titan pipeline run --module qwen3`` (and ``qwen3_moe``) on the tiny recipe (the full
+    debugmodel is minutes of CPU): completes, registers the HF export in MLflow, and the export
+    is a folder of the family's architecture."""
     from mlflow.tracking import MlflowClient
     from pipeline_helpers import run_flow, tiny_overrides
 
     from flows.pipeline import pretrain_pipeline
 
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    experiment = f"{module}line"
     state, _ = run_flow(
         pretrain_pipeline,
-        module="qwen3",
-        config="qwen3_debugmodel_tiny",
-        overrides=[*tiny_overrides(steps=2, nproc=1), "--job.experiment", "qwen3line"],
+        module=module,
+        config=f"{module}_debugmodel_tiny",
+        overrides=[*tiny_overrides(steps=2, nproc=1), "--job.experiment", experiment],
         storage_root=str(tmp_path / "runs"),
         tracking_uri=tracking,
         eval_batches=2,
     )
     assert state.is_completed(), state.message
     result = state.result()
-    assert (result["model_name"], result["model_version"]) == ("qwen3line", "1")
-    version = MlflowClient(tracking_uri=tracking).get_model_version("qwen3line", "1")
+    assert (result["model_name"], result["model_version"]) == (experiment, "1")
+    version = MlflowClient(tracking_uri=tracking).get_model_version(experiment, "1")
     assert version.source == result["hf"]
     config = json.loads((Path(result["hf"].removeprefix("file://")) / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    assert config["architectures"] == [architecture] and config["model_type"] == module

@@ -56,9 +56,16 @@ class PlannedTensor:
     """One model tensor as the checkpoint stores it and as the HF folder will name it."""
 
     name: str  # native FQN, e.g. layers.0.attention.wq.weight
-    hf_name: str
+    hf_name: str  # the first of ``parts`` when there are several
     shape: tuple[int, ...]
     dtype: torch.dtype  # as saved in the checkpoint
+    parts: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """(HF name, shape) of each HF tensor when the family splits this one into several (MoE
+    experts: stacked natively, one tensor per expert in HF); empty for a one-to-one tensor."""
+
+    def hf_tensors(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(HF name, shape) of every HF tensor this one becomes, in the adapter's order."""
+        return self.parts or ((self.hf_name, self.shape),)
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
         """Size in bytes in ``dtype`` (default: as saved)."""
@@ -132,8 +139,8 @@ def _read_plan(
     to_hf = model_spec(model_args, model_name).hf.to_hf
     planned = []
     for name, shape in expected.items():
-        hf_names = list(to_hf({name: torch.empty(shape, device="meta")}, model_args))
-        if not hf_names:
+        hf = to_hf({name: torch.empty(shape, device="meta")}, model_args)
+        if not hf:
             continue  # dropped by the family (a tied output: transformers ties it on load)
         md = saved.get(name)
         if not isinstance(md, TensorStorageMetadata):
@@ -145,8 +152,8 @@ def _read_plan(
                 f"checkpoint: tensor {MODEL_PREFIX}{name} has shape {tuple(md.size)}, expected "
                 f"{shape} for this model (check the flavor, vocab_size and n_layers)"
             )
-        (hf_name,) = hf_names
-        planned.append(PlannedTensor(name, hf_name, shape, md.properties.dtype))
+        parts = tuple((k, tuple(v.shape)) for k, v in hf.items()) if len(hf) > 1 else ()
+        planned.append(PlannedTensor(name, next(iter(hf)), shape, md.properties.dtype, parts))
     return metadata, planned
 
 
@@ -204,13 +211,19 @@ def convert_shard(
     model_args: Any,
     model_name: str | None = None,
 ) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
-    """HF tensors of one shard, converted one at a time (popping ``state`` as it goes)."""
+    """HF tensors of one shard, converted one at a time (popping ``state`` as it goes); a
+    tensor the family splits yields one item per part, in ``hf_tensors`` order."""
     to_hf = model_spec(model_args, model_name).hf.to_hf
     for t in group:
-        ((hf_name, value),) = to_hf({t.name: state.pop(t.name)}, model_args).items()
-        value = value.to(dtype).contiguous()
-        assert hf_name == t.hf_name and tuple(value.shape) == t.shape, (hf_name, value.shape)
-        yield t, value
+        converted = to_hf({t.name: state.pop(t.name)}, model_args)
+        planned = t.hf_tensors()
+        assert list(converted) == [n for n, _ in planned], (t.name, list(converted))
+        for (hf_name, shape), value in zip(planned, converted.values()):
+            value = value.to(dtype).contiguous()
+            assert tuple(value.shape) == shape, (hf_name, value.shape)
+            yield t, value
+            del value
+        del converted
 
 
 def row_order(
@@ -219,7 +232,9 @@ def row_order(
     """The dim-0 row order the adapter's ``to_hf`` gives ``t`` (None when rows stay in place).
 
     Found by converting a small tensor of element ids of ``t``'s rank (two elements per trailing
-    dimension); ValueError when the conversion is anything but a reordering of whole rows.
+    dimension); ValueError when the conversion is anything but a reordering of whole rows. A
+    tensor split into ``parts`` streams as stored (None) when the parts, back to back as the
+    shard lays them out, are its bytes in order (stacked experts split on dim 0).
     """
     if not t.shape:
         raise ValueError("0-d tensor")
@@ -227,11 +242,18 @@ def row_order(
     per_row = 2 ** (len(t.shape) - 1)
     ids = torch.arange(t.shape[0] * per_row).view(probe_shape)
     try:
-        ((hf_name, out),) = (
-            model_spec(model_args, model_name).hf.to_hf({t.name: ids}, model_args).items()
-        )
+        converted = model_spec(model_args, model_name).hf.to_hf({t.name: ids}, model_args)
     except Exception as e:  # e.g. a conversion that needs the real trailing sizes
         raise ValueError(f"the conversion fails on a probe: {e}") from e
+    if t.parts:
+        if list(converted) != [name for name, _ in t.parts] or not torch.equal(
+            torch.cat([v.reshape(-1) for v in converted.values()]), ids.reshape(-1)
+        ):
+            raise ValueError("the parts are not the tensor's bytes in order")
+        return None
+    if len(converted) != 1:
+        raise ValueError("the conversion gives several tensors")
+    ((hf_name, out),) = converted.items()
     if out is ids and hf_name == t.hf_name:
         return None  # passed through untouched
     if hf_name != t.hf_name or tuple(out.shape) != probe_shape or out.dtype != ids.dtype:
@@ -317,16 +339,17 @@ def write_shard(
     rest = [t for t in group if t.name not in direct]
     state = load_tensors(checkpoint, rest) if rest else {}
     converted = convert_shard(state, rest, dtype, model_args, model_name)
-    entries = [(t.hf_name, dtype, t.shape) for t in group]
+    entries = [(name, dtype, shape) for t in group for name, shape in t.hf_tensors()]
     with ShardWriter(path, entries, files, scratch) as writer:
         for t in group:
             if t.name in direct:
                 writer.write_stored(direct[t.name][0], dtype, direct[t.name][1])
                 continue
-            done, value = next(converted)
-            assert done is t
-            writer.write_tensor(value)
-            del value  # freed before the next tensor is converted
+            for _ in t.hf_tensors():
+                done, value = next(converted)
+                assert done is t
+                writer.write_tensor(value)
+                del value  # freed before the next tensor is converted
 
 
 def dcp_to_hf(
@@ -372,7 +395,12 @@ def dcp_to_hf(
                 out.commit(name)
                 advance(sum(t.nbytes(out_dtype) for t in group))
         _write_metadata_files(out, model_args, dtype, tok, model_name)
-        weight_map = {t.hf_name: name for name, group in zip(names, shards) for t in group}
+        weight_map = {
+            hf_name: name
+            for name, group in zip(names, shards)
+            for t in group
+            for hf_name, _ in t.hf_tensors()
+        }
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json(out.local_path(INDEX_FILE), index)
         out.commit(INDEX_FILE)

@@ -1,5 +1,6 @@
-"""Helpers the families' Hugging Face adapters share: Llama-style tensor names, RoPE layout
-permutations and config reading.
+"""Helpers the families' Hugging Face adapters share: Llama-style tensor names (with
+mixture-of-experts layers: the router, and routed experts stacked natively but one tensor per
+expert in HF), RoPE layout permutations and config reading.
 
 The engine's RoPE rotates interleaved channel pairs (Meta's layout); ``transformers`` rotates
 halves (``rotate_half``). Query/key projection rows (and a QK-norm's scale) are permuted within
@@ -47,6 +48,18 @@ _QK_NORM_KEYS = {  # only in families with ``qk_norm``
     "layers.{}.attention.q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
     "layers.{}.attention.k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
 }
+# Mixture-of-experts layers (Qwen2/3-MoE, OLMoE, DeepSeek names): the router, and the routed
+# experts, stacked natively (E, ...) and one tensor per expert ("{e}") in HF.
+_MOE_KEYS = {"layers.{}.moe.router.gate.weight": "model.layers.{}.mlp.gate.weight"}
+_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERT_KEYS = {
+    f"layers.{{}}.moe.experts.{w}": f"model.layers.{{}}.mlp.experts.{{e}}.{proj}.weight"
+    for w, proj in _EXPERT_PROJ.items()
+}
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
+# transformers >= 5 fuses the experts in memory (what ``model.state_dict()`` gives): gate and up
+# projections concatenated on dim 1, down stacked; read too, never written.
+_FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _TOP_KEYS = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -69,6 +82,8 @@ def _names(args: Any) -> tuple[dict[str, str], dict[str, int]]:
 
     A QK-norm scale is one head's channels shared by all heads: permuted as a single head."""
     layer = {**_LAYER_KEYS, **(_QK_NORM_KEYS if args.qk_norm else {})}
+    if getattr(args, "moe", None) is not None:
+        layer.update(_MOE_KEYS)
     rope = {
         "layers.{}.attention.wq.weight": args.n_heads,
         "layers.{}.attention.wk.weight": args.num_kv_heads,
@@ -89,6 +104,9 @@ def decoder_to_hf(
         if key == "output.weight" and args.tie_word_embeddings:
             continue
         template, index = _template(key)
+        if index is not None and template in _EXPERT_KEYS and getattr(args, "moe", None):
+            out.update(experts_to_hf(value, _EXPERT_KEYS[template], index))
+            continue
         hf_template = layer.get(template) if index is not None else _TOP_KEYS.get(key)
         if hf_template is None:
             raise CheckpointError(f"to_hf: unexpected {family} state dict key {key!r}")
@@ -106,6 +124,8 @@ def decoder_from_hf(
     from_layer = {hf: native for native, hf in layer.items()}
     from_top = {hf: native for native, hf in _TOP_KEYS.items()}
     out: dict[str, torch.Tensor] = {}
+    if getattr(args, "moe", None) is not None:
+        hf_state_dict, out = experts_from_hf(hf_state_dict, args.moe.num_experts, family)
     for key, value in hf_state_dict.items():
         # Older exports carry the rotary table; it is recomputed from the args here.
         if key.endswith("rotary_emb.inv_freq"):
@@ -123,6 +143,54 @@ def decoder_from_hf(
     if args.tie_word_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
+
+
+def experts_to_hf(stacked: torch.Tensor, hf_template: str, layer: str) -> dict[str, torch.Tensor]:
+    """A stacked (E, ...) expert weight as E per-expert HF tensors.
+
+    Copies, not views: safetensors refuses to save tensors that share storage."""
+    return {hf_template.format(layer, e=e): w.clone() for e, w in enumerate(stacked.unbind(0))}
+
+
+def experts_from_hf(
+    hf_state_dict: dict[str, torch.Tensor], num_experts: int, family: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the keys that are not routed experts, the native stacked expert weights).
+
+    Per-expert tensors (checkpoint files) are stacked, transformers' fused in-memory
+    ``gate_up_proj`` / ``down_proj`` split. A layer's experts are stacked together, so each
+    layer must come whole: CheckpointError naming the first expert missing otherwise."""
+    from_proj = {proj: w for w, proj in _EXPERT_PROJ.items()}
+    rest: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    stacked: dict[str, torch.Tensor] = {}
+    for key, value in hf_state_dict.items():
+        per_expert, fused = _EXPERT_RE.match(key), _FUSED_RE.match(key)
+        if per_expert is not None and per_expert[3] in from_proj:
+            layer, e, proj = per_expert.groups()
+            if int(e) >= num_experts:
+                raise CheckpointError(
+                    f"from_hf: {key}: expert {e} of a {family} model of {num_experts} experts"
+                )
+            native = f"layers.{layer}.moe.experts.{from_proj[proj]}"
+            parts.setdefault(native, {})[int(e)] = value
+        elif fused is not None and fused[2] == "down_proj":
+            stacked[f"layers.{fused[1]}.moe.experts.w2"] = value
+        elif fused is not None:
+            gate, up = value.chunk(2, dim=1)
+            stacked[f"layers.{fused[1]}.moe.experts.w1"] = gate.contiguous()
+            stacked[f"layers.{fused[1]}.moe.experts.w3"] = up.contiguous()
+        else:
+            rest[key] = value
+    for native, experts in parts.items():
+        missing = [e for e in range(num_experts) if e not in experts]
+        if missing:
+            raise CheckpointError(
+                f"from_hf: {native}: expert {missing[0]} of {num_experts} missing "
+                f"({len(missing)} in all); a {family} layer's experts convert together"
+            )
+        stacked[native] = torch.stack([experts[e] for e in range(num_experts)])
+    return rest, stacked
 
 
 def require_keys(config: dict[str, Any], source: str, keys: tuple[str, ...]) -> None:
