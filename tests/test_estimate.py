@@ -260,7 +260,7 @@ def test_llama3_8b_on_8_ranks_fsdp(assets: Path, capsys: pytest.CaptureFixture[s
     assert out["memory"]["params"] == mem.params
     assert out["memory"]["peak"] == mem.peak
     assert out["flops"]["total_flops"] == est.flops.total_flops
-    assert out["degrees"] == {"dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 1, "pp": 1}
+    assert out["degrees"] == {"dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
     assert out["fits"] is True
 
 
@@ -299,7 +299,7 @@ def test_qwen3_8b_on_8_ranks_through_the_family_spec(
     out = json.loads(capsys.readouterr().out)
     assert out["model"]["name"] == "qwen3" and out["model"]["n_layers"] == 36
     assert out["model"]["num_params"] == 8_190_735_360
-    assert out["degrees"] == {"dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 1, "pp": 1}
+    assert out["degrees"] == {"dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
     assert out["memory"]["params"] == 8_190_735_360 // 8 * 4  # every dim 0 divides by 8
 
 

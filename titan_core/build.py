@@ -216,11 +216,14 @@ def build_model_parts(
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     nparams, flops_per_token = spec.nparams_and_flops(model_args, model, cfg.training.seq_len)
+    counts = getattr(model_args, "param_counts", None)
+    activated = counts()[1] if counts is not None and getattr(model_args, "moe", None) else None
     logger.info(
-        "Model %s %s: %s parameters, %.3e training FLOPs/token",
+        "Model %s %s: %s parameters%s, %.3e training FLOPs/token",
         cfg.model.name,
         cfg.model.flavor,
         f"{nparams:,}",
+        f" ({activated:,} activated)" if activated is not None else "",
         flops_per_token,
     )
     pipeline, parts = None, [model]

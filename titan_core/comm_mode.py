@@ -153,6 +153,7 @@ def dry_run(cfg: JobConfig) -> DryRunReport:
     """Build and step ``cfg`` for ``comm.fake_world_size`` ranks on fake process groups and
     fake tensors; returns what was found (``print_report`` prints it)."""
     from titan_core.estimate import estimate
+    from titan_core.estimate.fake_moe import balanced_routing
     from titan_core.trainer import Trainer
 
     world = cfg.comm.fake_world_size
@@ -181,7 +182,8 @@ def dry_run(cfg: JobConfig) -> DryRunReport:
             if trainer.pipeline is not None:
                 trainer.pipeline = _LocalStages(trainer.pipeline)
                 notes.append(_LocalStages.NOTE)
-            with sim.fake_mode:
+            # MoE layers route on fake tensors as if balanced (routing is data).
+            with sim.fake_mode, balanced_routing(trainer.model):
                 loss, _ = trainer.train_step(batches)
             step = _step_result(trainer, loss)
             done = time.perf_counter()

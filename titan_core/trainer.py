@@ -34,6 +34,7 @@ from titan_core.components.metrics import (
     device_peak_tflops,
 )
 from titan_core.components.mlflow_sink import mlflow_sink_from_env
+from titan_core.components.moe_stats import MoEStats
 from titan_core.components.optimizer import OptimizerState, build_optimizer
 from titan_core.components.profiling import MemoryProfiler, maybe_enable_profiling
 from titan_core.components.validate import Validator, validation_data
@@ -99,6 +100,12 @@ class Trainer:
         )
         # Fixed once parallelized (FSDP2 keeps the same sharded parameters across steps).
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.moe_stats = MoEStats(
+            self.model, self.model_args, self._dp_cp_group(), self._pp_group(), self.device
+        )
+        for stage in self.pipeline.stages if self.pipeline is not None else []:
+            if hasattr(stage, "_forward_metadata_inference"):  # torch's first-step shape pass
+                self.moe_stats.exclude_forwards_of(stage, "_forward_metadata_inference")
         self._autocast_dtype = autocast_dtype(cfg.training, self.parallel_dims.fsdp_enabled)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -180,13 +187,22 @@ class Trainer:
 
         if v.enable:
             build()  # fail now, before writing anything, if the split is missing or empty
-        group = None
-        if self.parallel_dims.dp_enabled or self.parallel_dims.cp_enabled:
-            group = self.parallel_dims.dp_cp_mesh.get_group()
         pp_group = self.parallel_dims.mesh["pp"].get_group() if self.parallel_dims.pp > 1 else None
         return Validator(
-            v, build, cross_entropy_loss, self.device, group, pp_group, self._train_context
+            v,
+            build,
+            cross_entropy_loss,
+            self.device,
+            self._dp_cp_group(),
+            pp_group,
+            self._train_context,
         )
+
+    def _dp_cp_group(self) -> dist.ProcessGroup | None:
+        """The data x context parallel ranks (whose tokens make up the batch), if any."""
+        if self.parallel_dims.dp_enabled or self.parallel_dims.cp_enabled:
+            return self.parallel_dims.dp_cp_mesh.get_group()
+        return None
 
     def _build_metrics(self) -> MetricsProcessor:
         cfg, side = self.cfg, self.side_folder
@@ -272,6 +288,10 @@ class Trainer:
         """One optimizer step over ``batches`` of (inputs, labels[, doc_ids]) (gradient
         accumulation); returns detached (loss, grad_norm) without synchronizing the host."""
         self.optimizer.zero_grad()
+        # Each forward's aux-loss gradient gets its training loss's factor: 1 / accumulation
+        # steps, and under PP also 1 / microbatches (PipelineRunner.step scales each one's loss).
+        microbatches = self.pipeline.num_microbatches if self.pipeline is not None else 1
+        self.moe_stats.start_step(1.0 / (len(batches) * microbatches))
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels, *doc_ids in batches:  # doc_ids: [] or [(bs, seq)] when masking
             loss = self._forward_backward(inputs, labels, 1.0 / len(batches), *doc_ids)
@@ -312,15 +332,21 @@ class Trainer:
         return step
 
     def _record(
-        self, step: int, last: bool, loss: torch.Tensor, grad_norm: torch.Tensor
+        self,
+        step: int,
+        last: bool,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        extra: dict[str, float] | None = None,
     ) -> dict[str, float] | None:
-        """Log metrics and run validation when due; the step's row for the history, if any."""
+        """Log metrics (plus ``extra``, e.g. the MoE load) and run validation when due; the
+        step's row for the history, if any."""
         row: dict[str, float] | None = None
         if self.metrics.should_log(step) or last:
             lr = self.lr_scheduler.get_last_lr()[0]
             row = {
                 "step": step,
-                **self.metrics.log(step, self._reduce_for_log(loss), grad_norm.item(), lr),
+                **self.metrics.log(step, self._reduce_for_log(loss), grad_norm.item(), lr, extra),
             }
             if mix := self.dataloader.metrics():
                 self.metrics.log_scalars(step, mix)  # realized shares of a dataset mix
@@ -392,7 +418,10 @@ class Trainer:
                         tokens_per_step / self.parallel_dims.non_data_parallel_size
                     )
                     last = step == t.steps
-                    if row := self._record(step, last, loss, grad_norm):
+                    # MoE: loss-free bias update from the batch-wide expert counts (every
+                    # step, when on) and the load metrics (on log steps).
+                    moe = self.moe_stats.end_step(self.metrics.should_log(step) or last)
+                    if row := self._record(step, last, loss, grad_norm, moe):
                         history.append(row)
                     self.checkpointer.save(step, last=last)
                     self.checkpointer.poll()

@@ -68,10 +68,22 @@ class ConsoleSink:
             f"{c['cyan']}memory: {mem_txt}  {c['blue']}tps: {metrics['tps']:,.0f}  "
             f"tflops: {metrics['tflops']:.2f}  {c['magenta']}mfu: {metrics['mfu_pct']:.2f}%  "
             f"data: {metrics['data_pct']:.1f}%  step_s: {metrics['step_time_s']:.3f}{r}"
+            + _moe_text(metrics)
         )
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _moe_text(metrics: dict[str, float]) -> str:
+    """The MoE part of the console line: aux loss and the worst layer's max load (all the
+    per-layer figures go to the other sinks)."""
+    parts = []
+    if "moe/aux_loss" in metrics:
+        parts.append(f"aux: {metrics['moe/aux_loss']:.4f}")
+    if "moe/load_max" in metrics:
+        parts.append(f"load_max: {metrics['moe/load_max']:.2f}")
+    return ("  " + "  ".join(parts)) if parts else ""
 
 
 class JsonlSink:

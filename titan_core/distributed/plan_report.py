@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from titan_core.distributed.parallel_dims import ParallelDims
 
 _DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-_FLATTENED = ("dp", "dp_shard_cp", "dp_cp")
+_FLATTENED = ("dp", "dp_shard_cp", "dp_cp", "ep")
 # Wrapper attributes that do not belong in a user-facing module name.
 _WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.?")
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)(?=\.|$)")
@@ -42,7 +42,11 @@ class ModuleRow:
 def mesh_lines(dims: ParallelDims, world_size: int, pipeline: Any = None) -> list[str]:
     """The degrees, the device mesh with its flattened views, and the pipeline on this rank."""
     degrees = " × ".join(f"{n} {getattr(dims, n)}" for n in _DEGREES)
-    lines = [f"world {world_size} = {degrees}"]
+    ep = getattr(dims, "ep", 1)
+    lines = [
+        f"world {world_size} = {degrees}"
+        + (f"; ep {ep} (carved from dp_shard × cp)" if ep > 1 else "")
+    ]
     if world_size > 1:
         mesh = dims.mesh
         names = mesh.mesh_dim_names or ()

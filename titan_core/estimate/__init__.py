@@ -38,14 +38,17 @@ class Estimate:
                 "name": cfg.model.name,
                 "flavor": cfg.model.flavor,
                 "num_params": layout.num_params,
+                "num_activated_params": layout.num_activated_params,
                 "n_layers": layout.model_args.n_layers,
                 "vocab_size": layout.model_args.vocab_size,
                 "vocab_source": layout.vocab_source,
             },
             "world_size": dims.world_size,
             "degrees": {
-                name: getattr(dims, name) for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+                name: getattr(dims, name)
+                for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
             },
+            "moe": self._moe(),
             "batch": {
                 "local_batch_size": cfg.training.local_batch_size,
                 "seq_len": cfg.training.seq_len,
@@ -67,6 +70,24 @@ class Estimate:
                 kind: self.profiles.block_saved(kind, dims.tp) for kind in self.profiles.blocks
             },
             "flops": {**dataclasses.asdict(self.flops), "total_flops": self.flops.total_flops},
+        }
+
+    def _moe(self) -> dict[str, Any] | None:
+        """Experts, routing and expert-parallel figures (None for a dense model)."""
+        layout = self.layout
+        moe = layout.moe
+        if moe is None:
+            return None
+        ep = layout.dims.ep
+        return {
+            "num_experts": moe.num_experts,
+            "top_k": moe.top_k,
+            "moe_layers": layout.num_moe_layers,
+            "experts_per_rank": moe.num_experts // ep,
+            "expert_fsdp_degree": layout.expert_shard_degree if layout.fsdp else 1,
+            "routed_rows_per_layer": layout.routed_rows,
+            "all_to_all_bytes_per_layer": layout.all_to_all_bytes,
+            "routing": "balanced (tokens x top_k / experts rows per expert)",
         }
 
 

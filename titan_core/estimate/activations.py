@@ -6,6 +6,9 @@ weight shapes, wrapped by ``apply_activation_checkpointing`` for the configured 
 trainer's dtype policy. A dispatch mode follows every storage that an op creates until it is
 freed, which gives what stays alive from forward to backward and the peak during backward; a
 second run under ``FlopCounterMode`` counts the FLOPs, recomputation included.
+
+Mixture-of-experts blocks run with balanced routing (each expert gets tokens x top_k / E rows):
+which expert a token picks is data, and fake tensors have no data (``fake_moe``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from titan_core.components.loss import cross_entropy_loss
 from titan_core.distributed.activation_checkpoint import apply_activation_checkpointing
+from titan_core.estimate.fake_moe import balanced_routing
 from titan_core.estimate.layout import Layout, tp_local_shape
 
 
@@ -105,6 +109,21 @@ def _fake_params(
                 fqn = f"{prefix}.{name}".replace(_CHECKPOINT_PREFIX, "").removeprefix(".")
                 shape = tp_local_shape(tuple(p.shape), shard_dims.get(fqn), tp)
                 mod._parameters[name] = nn.Parameter(torch.empty(shape, dtype=dtype))
+
+
+def _ep_local_experts(module: nn.Module, ep: int) -> None:
+    """Give every MoE in ``module`` (fake parameters already) only the experts one ep rank
+    holds (with balanced routing: the same rows on fewer, fuller experts) and fake buffers."""
+    from titan_core.models.common.moe import MoE
+
+    for mod in module.modules():
+        if isinstance(mod, MoE):
+            for name, p in list(mod.experts._parameters.items()):
+                shape = (mod.args.num_experts // ep, *p.shape[1:])
+                mod.experts._parameters[name] = nn.Parameter(torch.empty(shape, dtype=p.dtype))
+            for name, b in list(mod._buffers.items()):  # expert bias, token counts: fake too
+                if b is not None:
+                    mod._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -186,9 +205,11 @@ def profile_block(
         block = wrapped["0"]
     with FakeTensorMode():
         _fake_params(block, layout.param_dtype, layout.dims.tp, shard_dims)
+        _ep_local_experts(block, layout.dims.ep)
         freqs = torch.empty(seq, args.head_dim // 2, dtype=torch.complex64)
         x = _hidden(layout, batch, seq)
-        return _profile(block, x, [freqs], lambda h: block(h, freqs), layout.autocast_dtype)
+        with balanced_routing(block):
+            return _profile(block, x, [freqs], lambda h: block(h, freqs), layout.autocast_dtype)
 
 
 def profile_head(layout: Layout, norm: nn.Module, output: nn.Module, batch: int) -> PartProfile:

@@ -60,11 +60,33 @@ def _ac_label(est: Estimate) -> str:
 def _header(est: Estimate) -> list[str]:
     d = est.to_dict()
     m, b, deg, dt = d["model"], d["batch"], d["degrees"], d["dtypes"]
-    degrees = " × ".join(f"{k} {v}" for k, v in deg.items())
-    return [
-        f"{m['name']} {m['flavor']}: {m['num_params']:,} parameters, {m['n_layers']} layers, "
+    degrees = " × ".join(f"{k} {v}" for k, v in deg.items() if k != "ep")
+    params = f"{m['num_params']:,} parameters"
+    moe = d["moe"]
+    if moe is not None:
+        params += f" ({m['num_activated_params']:,} activated)"
+    lines = [
+        f"{m['name']} {m['flavor']}: {params}, {m['n_layers']} layers, "
         f"vocab {m['vocab_size']:,} ({m['vocab_source']})",
-        f"world {d['world_size']} = {degrees}",
+        f"world {d['world_size']} = {degrees}"
+        + (f"; ep {deg['ep']} (carved from dp_shard × cp)" if deg["ep"] > 1 else ""),
+    ]
+    if moe is not None:
+        a2a = moe["all_to_all_bytes_per_layer"]
+        lines.append(
+            f"MoE: {moe['moe_layers']} layers × {moe['num_experts']} experts, top-{moe['top_k']}; "
+            f"{moe['experts_per_rank']} experts per rank, FSDP-sharded over "
+            f"{moe['expert_fsdp_degree']}; all-to-all per layer and microbatch "
+            + (
+                f"{a2a / 2**20:,.1f} MiB ({moe['routed_rows_per_layer']:,} rows, dispatch + "
+                "combine, send + receive)"
+                if a2a
+                else "none (ep 1)"
+            )
+            + "; balanced routing assumed"
+        )
+    return [
+        *lines,
         f"batch {b['local_batch_size']} × seq {b['seq_len']} × accum "
         f"{b['gradient_accumulation_steps']} (microbatch {b['microbatch_size']} × "
         f"{b['num_microbatches']}); params {dt['param']}, reduce {dt['reduce']}, "
@@ -88,6 +110,8 @@ def _table(est: Estimate) -> Table:
         ("backward transient (one block)", mem.backward_transient),
         ("optimizer-step temporaries", mem.optimizer_transient),
     ]
+    if mem.all_to_all:
+        rows.append(("expert-parallel all-to-all buffers (one layer)", mem.all_to_all))
     for name, value in rows:
         table.add_row(name, _gib(value))
     table.add_section()

@@ -1,5 +1,9 @@
 """What each rank holds for a config and world size: degrees, shapes, dtypes, pipeline stages.
 
+Routed experts (``layers.N.moe.experts.w*``) are split over ``ep`` on dim 0, then FSDP-sharded
+over what is left of dp_shard x cp (``dp_shard_mod_ep``); every other parameter is sharded over
+dp_shard x cp as for dense models.
+
 Built on the meta device only. The memory and FLOPs estimators read everything from a ``Layout``
 so that both agree on the model, the parallel plan and the batch each rank sees.
 """
@@ -47,6 +51,9 @@ class Layout:
     model_args: Any
     vocab_source: str
     num_params: int
+    num_activated_params: int
+    """Parameters one token goes through (MoE: only its top-k routed experts); the FLOPs
+    count these. Equal to ``num_params`` for dense models."""
     flops_per_token: int
     param_shapes: dict[str, tuple[int, ...]]
     """Every parameter by name; a tied table appears under both of its names."""
@@ -101,6 +108,49 @@ class Layout:
         return vocab
 
     @property
+    def moe(self) -> Any:
+        """The model's ``MoEArgs``, or None for a dense model."""
+        return getattr(self.model_args, "moe", None)
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers whose feed-forward is a mixture of experts."""
+        if self.moe is None:
+            return 0
+        return sum(self.model_args.moe_layer(i) for i in range(self.model_args.n_layers))
+
+    @property
+    def expert_shard_degree(self) -> int:
+        """Ranks FSDP splits each rank's routed experts over: dp_shard * cp / ep under expert
+        parallelism (``dp_shard_mod_ep``), else the dense degree."""
+        return self.dims.dp_shard_mod_ep if self.dims.ep_enabled else self.shard_degree
+
+    def param_shard_degree(self, name: str) -> int:
+        """Ranks FSDP splits parameter ``name`` over (1 without FSDP)."""
+        if not self.fsdp:
+            return 1
+        return self.expert_shard_degree if is_routed_expert(name) else self.shard_degree
+
+    @property
+    def routed_rows(self) -> int:
+        """Rows one MoE layer routes per microbatch on a rank: tokens x top_k (all the TP
+        ranks route the gathered sequence)."""
+        if self.moe is None:
+            return 0
+        return self.microbatch_size * self.local_seq * self.moe.top_k
+
+    @property
+    def all_to_all_bytes(self) -> int:
+        """Buffers of one MoE layer's token exchange per microbatch under expert parallelism:
+        dispatch and combine, each a send and a receive buffer of ``routed_rows`` x dim
+        activations (balanced routing assumed); 0 without ep."""
+        if self.moe is None or not self.dims.ep_enabled:
+            return 0
+        dtype = self.autocast_dtype or self.param_dtype
+        itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+        return 4 * self.routed_rows * self.model_args.dim * itemsize
+
+    @property
     def reshard_after_forward(self) -> bool:
         """FSDP's choice for blocks: free gathered params after forward unless PP is on."""
         policy = self.cfg.parallelism.fsdp_reshard_after_forward
@@ -123,6 +173,8 @@ def _style_shard_dims(module: nn.Module, style: ParallelStyle) -> dict[str, int]
     Linear's input features (dim 1) and an Embedding's rows (dim 0). Other styles (sequence
     parallel, input preparation) keep parameters whole."""
     embedding = isinstance(module, nn.Embedding)
+    if isinstance(getattr(style, "shard_dims", None), dict):  # e.g. the routed experts' style
+        return dict(style.shard_dims)
     if isinstance(style, ColwiseParallel):
         return {"weight": 1} if embedding else {"weight": 0, "bias": 0}
     if isinstance(style, RowwiseParallel):
@@ -148,6 +200,17 @@ def tp_shard_dims(
             if module._parameters.get(pname) is not None:
                 out[f"{fqn}.{pname}"] = dim
     return out
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether parameter ``name`` is a routed-expert weight (``layers.3.moe.experts.w1``),
+    the ones expert parallelism shards on dim 0."""
+    return ".moe.experts." in name
+
+
+def ep_local_shape(shape: tuple[int, ...], ep: int) -> tuple[int, ...]:
+    """Shape of a routed-expert weight on one ep rank: its experts (dim 0) split evenly."""
+    return (shape[0] // ep, *shape[1:]) if ep > 1 else shape
 
 
 def fsdp_shard_numel(shape: tuple[int, ...], shard: int) -> int:
@@ -234,12 +297,22 @@ def build_layout(cfg: JobConfig, world_size: int) -> Layout:
     vocab, source = resolve_vocab(cfg)
     args = build_model_args(cfg, vocab)
     dims.validate_model(args.n_heads, args.num_kv_heads, args.n_layers)
+    moe = getattr(args, "moe", None)
+    if moe is not None:
+        dims.validate_experts(moe.num_experts)
+    elif dims.ep_enabled:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree: {dims.ep} needs a mixture-of-experts model; "
+            f"{cfg.model.name} {cfg.model.flavor} has none (set it to 1)"
+        )
     _check_seq_len(cfg, dims)
     spec = get_model_spec(cfg.model.name)
     ranks, num_mb = _rank_layouts(spec, cfg, args, dims.pp)
     with torch.device("meta"):
         model = spec.model_cls(args)
     num_params, flops_per_token = spec.nparams_and_flops(args, model, cfg.training.seq_len)
+    counts = getattr(args, "param_counts", None)
+    activated = num_params - (counts()[0] - counts()[1]) if counts is not None else num_params
     shapes: dict[str, tuple[int, ...]] = {}
     first_name: dict[int, str] = {}
     tied = set()
@@ -253,6 +326,7 @@ def build_layout(cfg: JobConfig, world_size: int) -> Layout:
         model_args=args,
         vocab_source=source,
         num_params=num_params,
+        num_activated_params=activated,
         flops_per_token=flops_per_token,
         param_shapes=shapes,
         tied=frozenset(tied),
@@ -278,5 +352,6 @@ def rank_param_shapes(layout: Layout, rank: RankLayout) -> dict[str, tuple[int, 
             held = rank.has_head
         # An alias is no second copy: the stage split refuses tied tables across stages.
         if held and name not in layout.tied:
-            out[name] = tp_local_shape(shape, layout.tp_shard_dims.get(name), layout.dims.tp)
+            local = tp_local_shape(shape, layout.tp_shard_dims.get(name), layout.dims.tp)
+            out[name] = ep_local_shape(local, layout.dims.ep) if is_routed_expert(name) else local
     return out

@@ -3,6 +3,7 @@ them, plus activations measured on fake tensors, combined into a peak by trainin
 
 Persistent (per rank, bytes):
   parameters  fp32 master weights, TP-local, FSDP-sharded with dim 0 padded to the shard degree
+              (routed experts: ep-local, then sharded over dp_shard * cp / ep)
   gradients   the same shapes in fp32 (FSDP2 keeps sharded grads in the parameter's dtype)
   optimizer   AdamW exp_avg + exp_avg_sq (2 x parameters) + a 4-byte step scalar per tensor
   buffers     RoPE table (``freqs_cis``), on every pipeline rank
@@ -43,6 +44,9 @@ class MemoryEstimate:
     """Peak extra while one block runs backward (recomputation under AC, grads, temporaries)."""
     optimizer_transient: int
     """Temporaries of the optimizer step (foreach AdamW: one fp32 copy of the local params)."""
+    all_to_all: int
+    """Expert parallelism: one MoE layer's dispatch + combine send/receive buffers for one
+    microbatch (balanced routing), counted in the block-backward phase; 0 without ep."""
     peak: int
     """Modelled peak: persistent terms + the largest of the loss, block-backward, step phases."""
     peak_phase: str
@@ -62,6 +66,7 @@ class MemoryEstimate:
             + self.loss
             + self.backward_transient
             + self.optimizer_transient
+            + self.all_to_all
         )
 
 
@@ -76,8 +81,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _persistent(layout: Layout, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int, int, int]:
     """(params, grads, optimizer, optimizer-step temporaries) bytes for these local shapes."""
-    shard = layout.shard_degree if layout.fsdp else 1
-    numels = [fsdp_shard_numel(shape, shard) for shape in shapes.values()]
+    numels = [fsdp_shard_numel(s, layout.param_shard_degree(n)) for n, s in shapes.items()]
     params = sum(numels) * _FP32
     # Rank 0's unpadded shard is the padded size; optimizer states are zeros_like(local shard).
     optimizer = 2 * params + _ADAM_STEP_BYTES * len(numels)
@@ -122,7 +126,6 @@ def _block_backward(
 ) -> int:
     """Peak while the blocks run backward, last to first: one block's extra on top of the
     activations not consumed yet and the gradients already produced."""
-    shard = layout.shard_degree if layout.fsdp else 1
     # Unsharded head grads wait for the root's reduce-scatter at the end of backward under FSDP;
     # without FSDP they are ordinary grads, already counted when accumulating.
     held = profiles.head.param_grad_bytes if rank.has_head else 0
@@ -136,9 +139,15 @@ def _block_backward(
         if not accumulating:
             prefix = f"layers.{i}."
             held += _FP32 * sum(
-                fsdp_shard_numel(s, shard) for n, s in shapes.items() if n.startswith(prefix)
+                fsdp_shard_numel(s, layout.param_shard_degree(n))
+                for n, s in shapes.items()
+                if n.startswith(prefix)
             )
     return peak
+
+
+def _is_moe(layout: Layout, index: int) -> bool:
+    return layout.moe is not None and bool(layout.model_args.moe_layer(index))
 
 
 def _rank_estimate(layout: Layout, profiles: Profiles, rank: RankLayout) -> MemoryEstimate:
@@ -160,8 +169,9 @@ def _rank_estimate(layout: Layout, profiles: Profiles, rank: RankLayout) -> Memo
     accumulating = t.gradient_accumulation_steps > 1 or layout.num_microbatches > 1
     grads_held = grads if accumulating else 0
     blocks = _block_backward(layout, profiles, rank, shapes, activations, accumulating)
+    a2a = layout.all_to_all_bytes if any(_is_moe(layout, i) for i in rank.layers) else 0
     phases = {
-        "block backward": grads_held + root + blocks_gathered + reduce + blocks,
+        "block backward": grads_held + root + blocks_gathered + reduce + blocks + a2a,
         "optimizer step": grads + opt_temp,
     }
     if rank.has_head:
@@ -178,6 +188,7 @@ def _rank_estimate(layout: Layout, profiles: Profiles, rank: RankLayout) -> Memo
         loss=loss,
         backward_transient=max(profiles.blocks[k].backward_extra_bytes for k in kinds),
         optimizer_transient=opt_temp,
+        all_to_all=a2a,
         peak=params + buffers + optimizer + phases[phase],
         peak_phase=phase,
         layers=len(rank.layers),
