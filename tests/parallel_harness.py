@@ -25,6 +25,15 @@ from tasks.parity import common_args as parity_args
 MODEL = ["--module", "llama3", "--config", "llama3_debugmodel_tiny", "--model.n_layers", "4"]
 # Tiny Qwen3: QK-norm, 4 heads of 32 channels (n_heads * head_dim != dim), the same depth.
 QWEN3_MODEL = ["--module", "qwen3", "--config", "qwen3_debugmodel_tiny", "--model.n_layers", "4"]
+# Tiny Qwen3-MoE: 8 experts top-2 (expert hidden 32) in every layer, the same depth.
+QWEN3_MOE_MODEL = [
+    "--module",
+    "qwen3_moe",
+    "--config",
+    "qwen3_moe_debugmodel_tiny",
+    "--model.n_layers",
+    "4",
+]
 GLOBAL_BATCH = 4  # sequences per step, across all data-parallel ranks
 STREAMS = 4  # fixed data streams: DP degrees 1, 2 and 4 see identical samples
 SEQ_LEN = 32

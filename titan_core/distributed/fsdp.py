@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from titan_core.config.dtypes import TORCH_DTYPES
+from titan_core.models.common.moe import moe_layers
 
 
 def apply_fsdp(
@@ -21,8 +22,17 @@ def apply_fsdp(
     reduce_dtype: str,
     reshard_after_forward: bool,
     cpu_offload: bool = False,
+    expert_mesh: DeviceMesh | None = None,
+    expert_divide_factor: int = 1,
 ) -> None:
-    """Shard each block, then the root (which holds embeddings, final norm and output)."""
+    """Shard each block, then the root (which holds embeddings, final norm and output).
+
+    Under expert parallelism (``expert_mesh``: what is left of the FSDP ranks once ``ep`` is
+    carved out) each MoE layer's routed experts are sharded on their own first, over
+    ``expert_mesh``, with their gradients divided by ``expert_divide_factor``: the number of
+    data x context ranks whose tokens reach an expert (all of them), so that expert gradients
+    are the same average over the batch as the dense ones (FSDP would divide by its own mesh
+    size)."""
     mp = MixedPrecisionPolicy(
         param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype]
     )
@@ -30,6 +40,19 @@ def apply_fsdp(
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in blocks:
+        if expert_mesh is not None:
+            for moe in moe_layers(block).values():
+                experts = fully_shard(
+                    moe.experts,
+                    **{**kwargs, "mesh": expert_mesh},
+                    reshard_after_forward=reshard_after_forward,
+                )
+                experts.set_gradient_divide_factor(expert_divide_factor)
+                # A custom factor is a PREMUL_SUM, which gloo lacks; sum then divide instead
+                # (only where the reduce-scatter spans ranks: torch 2.13 would divide twice on
+                # one rank).
+                if expert_mesh.size(-1) > 1:
+                    experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root's params are needed again at once by backward: never reshard them after forward.
     fully_shard(model, reshard_after_forward=False, **kwargs)

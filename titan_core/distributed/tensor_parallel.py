@@ -7,11 +7,17 @@ Model-specific plans (which module gets which style) live in ``models/<name>/par
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ParallelStyle,
+    PrepareModuleInputOutput,
+    parallelize_module,
+)
 
 from titan_core.config.job import JobConfig
 from titan_core.distributed.parallel_dims import ParallelDims
@@ -119,3 +125,75 @@ def disable_autograd_cache() -> None:
     """
     torch._functorch.config.enable_autograd_cache = False
     logger.info("AOTAutograd cache off: its DTensor keys do not tell TP ranks apart")
+
+
+# ------------------------------------------------------------------ mixture-of-experts styles
+class MoEParallel(PrepareModuleInputOutput):
+    """A whole MoE layer under TP + SP: its input is gathered along the sequence (every TP rank
+    routes every token), its output, a partial sum over the TP ranks (experts hidden-sharded),
+    is reduce-scattered back along the sequence. Sets ``moe.tp_group``, over which the MoE sums
+    the input gradient of its partial-sum branches (see ``models.common.moe.MoE``)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Partial(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.tp_group = device_mesh.get_group()
+        return super()._apply(module, device_mesh)
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module computed whole on every TP rank (the MoE router): parameters replicated
+    DTensors on ``tp`` (so that every block parameter lives on the same mesh), local tensors in
+    and out."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                dt = DTensor.from_local(param.data, mesh, (Replicate(),), run_check=False)
+                mod.register_parameter(pname, nn.Parameter(dt, param.requires_grad))
+
+        def input_fn(_mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(
+                DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
+
+        def output_fn(_mod: nn.Module, out: torch.Tensor, _mesh: DeviceMesh) -> torch.Tensor:
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+class ExpertTensorParallel(ParallelStyle):
+    """Routed experts (``GroupedExperts``) with their hidden dim split over the TP ranks, like a
+    column-wise ``w1``/``w3`` and row-wise ``w2`` SwiGLU: each rank's output is a partial sum.
+    The weights stay the expert's business (it computes on their local shards)."""
+
+    shard_dims: ClassVar[dict[str, int]] = {"w1": 1, "w2": 2, "w3": 1}
+    """The TP-sharded dim of each parameter (read by ``titan estimate``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for pname, dim in self.shard_dims.items():
+            param = module._parameters[pname]
+            local = param.data.chunk(device_mesh.size(), dim=dim)[device_mesh.get_local_rank()]
+            local = local.contiguous()
+            dt = DTensor.from_local(
+                local,
+                device_mesh,
+                (Shard(dim),),
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+            module.register_parameter(pname, nn.Parameter(dt, param.requires_grad))
+        return module

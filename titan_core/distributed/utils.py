@@ -118,19 +118,36 @@ def clip_grad_norm_(
     parameters: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Global gradient norm over all ranks' shards (and over the pipeline stages of
-    ``pp_group``); clips in place when ``max_norm > 0``."""
+    ``pp_group``); clips in place when ``max_norm > 0``.
+
+    Gradients may be DTensors on different meshes (expert-parallel experts live on the
+    (efsdp, ep[, tp]) mesh, dense parameters on (dp_shard[, tp])): DTensor ops cannot mix
+    meshes, so each mesh's gradients get their own norm, reduced over that mesh, and the
+    squared norms add up (torchtitan's EP-aware clipping)."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(total_norm, DTensor):
+    by_mesh: dict[object, list[torch.Tensor]] = {}  # parameters by their gradient's mesh
+    for p in parameters:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(mesh, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         # The local norm is a partial over sharded dims; full_tensor() reduces it across ranks.
-        total_norm = total_norm.full_tensor()
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        total_norm = norms[0]
+    elif norms:
+        total_norm = torch.stack([n.float() for n in norms]).pow(2).sum().sqrt()
+    else:
+        total_norm = torch.zeros((), device=parameters[0].device if parameters else "cpu")
     if pp_group is not None:
         # Each stage holds different parameters: the squared norms add up across stages.
         total_norm = total_norm**2
         dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=pp_group)
         total_norm = total_norm**0.5
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
     return total_norm

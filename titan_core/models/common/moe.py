@@ -228,6 +228,21 @@ class _ScaleGradientAdder(torch.autograd.Function):
         return grad, aux_grad, None
 
 
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity in forward; in backward the gradient is summed over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward pass: the forward being run is activation
     checkpointing's recompute, which must not count tokens a second time."""
@@ -251,6 +266,13 @@ class MoE(nn.Module):
       any data-parallel layout trains like one process;
     - ``aux_loss_scale``: factor on the aux loss's gradient, the same one the training loss of
       this forward gets (1 / gradient-accumulation steps).
+    - ``tp_group``: under tensor parallelism, the group over which the routed experts' (hidden
+      dim sharded) and shared experts' outputs are partial sums. Every TP rank sees the whole
+      input and must compute the whole input gradient (its input is Replicate): so the two
+      tensors that multiply into the partial sums, the experts' input rows and the routing
+      weights, get their gradients summed over ``tp_group`` in backward (the shared experts'
+      column-wise input does the same itself). The router then gets the full gradient on
+      every TP rank, as a replicated module must.
     """
 
     def __init__(self, dim: int, args: MoEArgs) -> None:
@@ -269,6 +291,7 @@ class MoE(nn.Module):
         self.load_balance_group: torch.distributed.ProcessGroup | None = None
         self.aux_loss_scale = 1.0
         self.aux_loss: torch.Tensor | None = None
+        self.tp_group: torch.distributed.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(bs, seq, dim) -> (bs, seq, dim)."""
@@ -284,8 +307,11 @@ class MoE(nn.Module):
         # Stable sort: each expert's rows keep token order, so every layout sums alike.
         order = torch.argsort(flat_ids, stable=True)
         token_of_row = order // self.args.top_k
-        routed = self.dispatcher(self.experts, tokens[token_of_row], counts)
-        routed = routed * weights.reshape(-1, 1)[order]
+        rows, row_weights = tokens[token_of_row], weights.reshape(-1, 1)[order]
+        if self.tp_group is not None:  # the outputs below are partial sums over tp
+            rows = _AllReduceGrad.apply(rows, self.tp_group)
+            row_weights = _AllReduceGrad.apply(row_weights, self.tp_group)
+        routed = self.dispatcher(self.experts, rows, counts) * row_weights
         out = torch.zeros_like(tokens).index_add_(0, token_of_row, routed)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)

@@ -1,6 +1,7 @@
 """Apply parallelism and training transforms to a decoder (``models.common.decoder``), in
-torchtitan's order: TP/SP → activation checkpointing → torch.compile → FSDP. The model itself
-knows nothing of this. Families whose modules differ pass their own TP plan."""
+torchtitan's order: TP/SP → expert parallel → activation checkpointing → torch.compile → FSDP
+(routed experts first, on their own mesh). The model itself knows nothing of this. Families
+whose modules differ pass their own TP plan."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -21,11 +22,15 @@ from titan_core.config.job import JobConfig
 from titan_core.distributed.activation_checkpoint import apply_activation_checkpointing
 from titan_core.distributed.compile import apply_compile
 from titan_core.distributed.context_parallel import check_context_parallel
+from titan_core.distributed.expert_parallel import apply_expert_parallel
 from titan_core.distributed.float8 import check_float8, convert_to_float8, float8_enabled
 from titan_core.distributed.float8 import tp_styles as float8_tp_styles
 from titan_core.distributed.fsdp import apply_ddp, apply_fsdp
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.distributed.tensor_parallel import (
+    ExpertTensorParallel,
+    MoEParallel,
+    ReplicateParallel,
     apply_tp_plan,
     check_tensor_parallel,
     disable_autograd_cache,
@@ -35,6 +40,7 @@ from titan_core.distributed.tensor_parallel import (
 )
 from titan_core.errors import ConfigError
 from titan_core.logging import logger
+from titan_core.models.common.moe import moe_layers
 from titan_core.models.common.pipeline import plan_decoder_pipeline
 
 TPPlan = Callable[[nn.Module, bool, Float8Config], dict[str, ParallelStyle]]
@@ -57,6 +63,24 @@ def check_decoder_support(
         check_context_parallel(cfg)
     check_tensor_parallel(cfg, parallel_dims, device_type)
     check_float8(cfg.float8, device_type)
+    moe = getattr(model_args, "moe", None)
+    if moe is not None:
+        parallel_dims.validate_experts(moe.num_experts)
+        if cfg.compile.enable and "model" in cfg.compile.components:
+            raise ConfigError(
+                "compile.enable: mixture-of-experts blocks do not compile as one graph yet "
+                "(data-dependent routing); drop 'model' from compile.components or disable it"
+            )
+        if float8_enabled(cfg.float8):
+            raise ConfigError(
+                "float8: not supported with mixture-of-experts layers yet (the router and "
+                "grouped experts would need their own float8 handling); disable it"
+            )
+    elif parallel_dims.ep_enabled:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree: {parallel_dims.ep} needs a mixture-of-experts "
+            f"model; {type(model_args).__name__} has no MoE layers (set it to 1)"
+        )
 
 
 def decoder_tp_plan(
@@ -101,8 +125,27 @@ def decoder_tp_plan(
             "feed_forward.w2": rowwise(output_layouts=Shard(1)),
             "feed_forward.w3": colwise(),
         }
+        if getattr(model.layers[name], "moe", None) is not None:
+            block = {k: v for k, v in block.items() if not k.startswith("feed_forward")}
+            block.update(moe_tp_plan(colwise, rowwise))
         plan.update({f"layers.{name}.{fqn}": style for fqn, style in block.items()})
     return plan
+
+
+def moe_tp_plan(colwise: Any, rowwise: Any) -> dict[str, ParallelStyle]:
+    """A block's MoE under TP + SP (names relative to the block): the layer gathers its input
+    along the sequence and reduce-scatters its partial-sum output; the router is replicated;
+    routed experts split their hidden dim; shared experts are a column/row-wise SwiGLU whose
+    output stays a partial sum (the layer's output reduce-scatters it with the routed one).
+    The input-gradient contract is ``MoE.tp_group``'s."""
+    return {
+        "moe": MoEParallel(),
+        "moe.router.gate": ReplicateParallel(),
+        "moe.experts": ExpertTensorParallel(),
+        "moe.shared_experts.w1": colwise(),
+        "moe.shared_experts.w2": rowwise(output_layouts=Partial()),
+        "moe.shared_experts.w3": colwise(),
+    }
 
 
 def apply_tp(
@@ -133,14 +176,21 @@ def parallelize_decoder(
     cfg: JobConfig,
     tp_plan: TPPlan = decoder_tp_plan,
 ) -> nn.Module:
-    """Apply float8, TP/SP, AC, compile and FSDP/HSDP (or DDP) to ``model`` (on the meta
-    device) in place."""
+    """Apply float8, TP/SP, EP, AC, compile and FSDP/HSDP (or DDP) to ``model`` (on the meta
+    device) in place.
+
+    MoE layers: EP shards the routed experts over ``ep`` (after TP split their hidden dim);
+    FSDP then shards them over what is left of the FSDP ranks (``expert_fsdp_mesh_dims``) with
+    their gradients divided by dp x cp, since every data/context rank's tokens reach every
+    expert (FSDP's own divide, its mesh size, would leave them ``ep`` times too large)."""
     if float8_enabled(cfg.float8):
         convert_to_float8(model, cfg.float8)
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims, cfg, tp_plan)
         if cfg.compile.enable:
             disable_autograd_cache()
+    if moe_layers(model):
+        apply_expert_parallel(model, parallel_dims)
     apply_activation_checkpointing(model.layers, cfg.activation_checkpoint)
     if cfg.compile.enable and "model" in cfg.compile.components:
         if parallel_dims.tp_enabled and find_module(model, "tok_embeddings") is not None:
@@ -151,6 +201,9 @@ def parallelize_decoder(
         dp_mesh = parallel_dims.mesh[dims]
         policy = cfg.parallelism.fsdp_reshard_after_forward
         reshard = policy == "always" or (policy == "default" and parallel_dims.pp == 1)
+        expert_mesh = None
+        if parallel_dims.ep_enabled:
+            expert_mesh = parallel_dims.mesh[parallel_dims.expert_fsdp_mesh_dims]
         apply_fsdp(
             model,
             model.layers.values(),
@@ -158,6 +211,9 @@ def parallelize_decoder(
             param_dtype=cfg.training.mixed_precision_param,
             reduce_dtype=cfg.training.mixed_precision_reduce,
             reshard_after_forward=reshard,
+            expert_mesh=expert_mesh,
+            # Every data x context rank's tokens reach each expert: average over all of them.
+            expert_divide_factor=parallel_dims.dp_degree * parallel_dims.cp,
         )
         kind = "HSDP" if len(dims) == 2 else "FSDP"
         shape = dict(zip(dims, dp_mesh.shape, strict=True))
@@ -165,4 +221,32 @@ def parallelize_decoder(
     elif parallel_dims.dp_replicate > 1:
         apply_ddp(model, parallel_dims.mesh["dp_replicate"])
         logger.info("Applied DDP over %d replicas", parallel_dims.dp_replicate)
+    if parallel_dims.ep_enabled:
+        log_expert_layout(model, parallel_dims)
     return model
+
+
+def log_expert_layout(model: nn.Module, parallel_dims: ParallelDims) -> None:
+    """One line per rank: how this part's first MoE layer's ``w1`` is laid out here (read back
+    from the parameter itself, so a layout that silently replicated experts shows)."""
+    layers = moe_layers(model)
+    if not layers:
+        return
+    name, moe = next(iter(layers.items()))
+    w1 = moe.experts.w1
+    if isinstance(w1, DTensor):
+        dims = w1.device_mesh.mesh_dim_names or ()
+        where = f"placements {dict(zip(dims, map(str, w1.placements), strict=True))}"
+        local = tuple(w1.to_local().shape)
+    else:
+        where, local = "not sharded", tuple(w1.shape)
+    ep_rank = parallel_dims.ep_mesh.get_local_rank()
+    logger.info(
+        "Expert parallel %d: ep rank %d, %s.experts.w1 local %s of %s, %s",
+        parallel_dims.ep,
+        ep_rank,
+        name,
+        local,
+        tuple(w1.shape),
+        where,
+    )
