@@ -283,7 +283,7 @@ def test_registry_errors_list_the_choices() -> None:
     assert "llama3_8b" in message and "llama3_debugmodel_tiny" in message
     assert "_llama3_gpu_recipe" not in message
     assert config_error(["--module=gpt", "--config=x"]) == (
-        "--module 'gpt': unknown model family; choices: llama3, qwen3"
+        "--module 'gpt': unknown model family; choices: llama3, qwen3, qwen3_moe"
     )
     assert "go together" in config_error(["--module", "llama3"])
     assert config_error(["--config"]) == "--config expects a value"

@@ -16,6 +16,7 @@ from titan_core.components.loss import cross_entropy_loss
 from titan_core.components.mlflow_sink import RUN_ID_ENV, TRACKING_URI_ENV
 from titan_core.components.moe_stats import load_metrics
 from titan_core.config.manager import parse_args
+from titan_core.logging import init_logger, logger
 from titan_core.models import get_flavor
 from titan_core.models.common.moe import moe_layers
 from titan_core.train import run
@@ -53,7 +54,7 @@ def test_load_metrics_of_known_counts() -> None:
 
 
 def test_moe_metrics_reach_jsonl_console_and_mlflow(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Every log step (1, 2, 4) carries moe/* in metrics.jsonl and in the MLflow run; the
     console line carries the aux loss and the worst load."""
@@ -64,7 +65,14 @@ def test_moe_metrics_reach_jsonl_console_and_mlflow(
     monkeypatch.setenv(RUN_ID_ENV, run_id)
     monkeypatch.setenv(TRACKING_URI_ENV, uri)
     dump = tmp_path / "out"
-    run(parse_args(_args(dump)))
+    # The titan logger does not propagate: listen on it directly (its console handler writes
+    # to whatever stdout was when an earlier test set it up).
+    init_logger()  # first, or it replaces the handlers added here
+    logger.addHandler(caplog.handler)
+    try:
+        run(parse_args(_args(dump)))
+    finally:
+        logger.removeHandler(caplog.handler)
     flavor = get_flavor("qwen3_moe", "debugmodel_tiny")
     top_k, experts = flavor.moe.top_k, flavor.moe.num_experts
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
@@ -83,7 +91,7 @@ def test_moe_metrics_reach_jsonl_console_and_mlflow(
             # E / (tokens * top_k) of a batch of local_batch_size sequences
             slots = 32 * 4 * top_k
             assert abs(layer[0] * slots / experts - round(layer[0] * slots / experts)) < 1e-6
-    steps = [line for line in capsys.readouterr().out.splitlines() if "grad_norm:" in line]
+    steps = [r.getMessage() for r in caplog.records if "grad_norm:" in r.getMessage()]
     assert len(steps) == 3 and all("aux: " in m and "load_max: " in m for m in steps)
     for key in ("moe/aux_loss", "moe/load_max", "moe/load_entropy", "moe/layer1/load_min"):
         history = client.get_metric_history(run_id, key)
