@@ -328,6 +328,33 @@ def test_top_k_above_the_experts_is_one_line(
     assert not dump.exists()
 
 
+def test_moe_overrides_reach_the_model_args() -> None:
+    """``model.moe_*`` change the flavor's MoE args; on a dense family they are one line."""
+    from titan_core.build import flavor_args
+    from titan_core.errors import ConfigError
+
+    overrides = ["--model.moe_num_experts", "4", "--model.moe_top_k", "3"]
+    overrides += ["--model.moe_aux_loss_coef", "0", "--model.moe_load_balance_bias", "on"]
+    moe = flavor_args(parse_args([*TINY, *overrides])).moe
+    assert (moe.num_experts, moe.top_k, moe.aux_loss_coef, moe.load_balance_bias) == (
+        4,
+        3,
+        0.0,
+        True,
+    )
+    kept = flavor_args(parse_args(TINY)).moe
+    assert (kept.num_experts, kept.top_k, kept.aux_loss_coef, kept.load_balance_bias) == (
+        8,
+        2,
+        0.001,
+        False,
+    )
+    dense = ["--module", "qwen3", "--config", "qwen3_debugmodel_tiny"]
+    refused = r"model\.moe_aux_loss_coef: qwen3 debugmodel_tiny has no"
+    with pytest.raises(ConfigError, match=refused):
+        flavor_args(parse_args([*dense, "--model.moe_aux_loss_coef", "0.01"]))
+
+
 @pytest.mark.parametrize(
     ("config", "expected"),
     [

@@ -58,32 +58,35 @@ def flavor_args(cfg: JobConfig) -> Any:
 
 
 def _apply_moe_overrides(cfg: JobConfig, args: Any) -> None:
-    """``model.moe_num_experts`` / ``model.moe_top_k`` onto the flavor's ``moe`` args, checked
-    (one line naming the key) before anything is built."""
+    """``model.moe_*`` onto the flavor's ``moe`` args, checked (one line naming the key) before
+    anything is built."""
+    m = cfg.model
+    bias = {"on": True, "off": False}.get(m.moe_load_balance_bias)
     overrides = {
-        field: value
-        for field, key, value in (
-            ("num_experts", "moe_num_experts", cfg.model.moe_num_experts),
-            ("top_k", "moe_top_k", cfg.model.moe_top_k),
+        (field, key): value
+        for field, key, value, given in (
+            ("num_experts", "moe_num_experts", m.moe_num_experts, m.moe_num_experts > 0),
+            ("top_k", "moe_top_k", m.moe_top_k, m.moe_top_k > 0),
+            ("aux_loss_coef", "moe_aux_loss_coef", m.moe_aux_loss_coef, m.moe_aux_loss_coef >= 0),
+            ("load_balance_bias", "moe_load_balance_bias", bias, bias is not None),
         )
-        if value > 0
+        if given
     }
     if not overrides:
         return
     moe = getattr(args, "moe", None)
     if moe is None:
-        key = "moe_num_experts" if "num_experts" in overrides else "moe_top_k"
-        raise ConfigError(
-            f"model.{key}: {cfg.model.name} {cfg.model.flavor} has no mixture-of-experts layers"
-        )
-    num_experts = overrides.get("num_experts", moe.num_experts)
-    top_k = overrides.get("top_k", moe.top_k)
+        key = next(iter(overrides))[1]
+        raise ConfigError(f"model.{key}: {m.name} {m.flavor} has no mixture-of-experts layers")
+    values = {field: value for (field, _), value in overrides.items()}
+    num_experts = values.get("num_experts", moe.num_experts)
+    top_k = values.get("top_k", moe.top_k)
     if top_k > num_experts:
         raise ConfigError(
             f"model.moe_top_k: {top_k} experts per token is more than the {num_experts} "
             "experts of each MoE layer"
         )
-    args.moe = dataclasses.replace(moe, **overrides)
+    args.moe = dataclasses.replace(moe, **values)
 
 
 def _checkpoint_args(cfg: JobConfig) -> Any:

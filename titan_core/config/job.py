@@ -66,6 +66,12 @@ class Model:
     """Mixture-of-experts families: override the flavor's routed experts per layer; -1 keeps."""
     moe_top_k: int = -1
     """Mixture-of-experts families: override the experts each token is routed to; -1 keeps."""
+    moe_aux_loss_coef: float = -1.0
+    """Mixture-of-experts families: weight of the load-balancing loss (0 turns it off); -1
+    keeps the flavor's (Qwen3-MoE: 0.001)."""
+    moe_load_balance_bias: Literal["flavor", "on", "off"] = "flavor"
+    """Mixture-of-experts families: DeepSeek-V3's loss-free balancing bias; flavor keeps the
+    flavor's setting."""
 
     def __post_init__(self) -> None:
         _require(
@@ -80,6 +86,12 @@ class Model:
         for key in ("moe_num_experts", "moe_top_k"):
             value = getattr(self, key)
             _require(value == -1 or value > 0, f"model.{key}", "-1 or > 0", value)
+        _require(
+            self.moe_aux_loss_coef == -1 or self.moe_aux_loss_coef >= 0,
+            "model.moe_aux_loss_coef",
+            "-1 or >= 0",
+            self.moe_aux_loss_coef,
+        )
 
 
 @dataclass(kw_only=True)
