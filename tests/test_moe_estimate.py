@@ -14,6 +14,7 @@ import pytest
 
 from titan_core import comm_mode
 from titan_core.config.manager import parse_args
+from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.errors import ConfigError
 from titan_core.estimate import cli
 from titan_core.estimate.fake_moe import even_splits
@@ -199,3 +200,38 @@ def test_moe_doc_commands_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
         else:
             history = run(cfg)
             assert [h["step"] for h in history if "moe/load_max" in h] == [1, 5, 10]
+
+
+@pytest.mark.parametrize(
+    ("dp_shard", "cp", "ep", "message"),
+    [
+        (4, 2, 3, "3 must be a multiple of context_parallel_degree (2)"),
+        (2, 2, 8, "8 must divide data_parallel_shard_degree x context_parallel_degree"),
+        (4, 1, 0, "expected an int >= 1, got 0"),
+    ],
+    ids=["not_a_multiple_of_cp", "more_than_dp_shard_x_cp", "zero"],
+)
+def test_expert_parallel_rule(dp_shard: int, cp: int, ep: int, message: str) -> None:
+    """``ep`` takes every CP rank and part of the FSDP ranks; anything else is one line."""
+    with pytest.raises(
+        ConfigError, match=re.escape(f"parallelism.expert_parallel_degree: {message}")
+    ):
+        ParallelDims(
+            dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=1, pp=1, world_size=dp_shard * cp, ep=ep
+        )
+
+
+@pytest.mark.parametrize(
+    ("dp_shard", "cp", "ep", "in_ep", "mod_ep"),
+    [(8, 1, 8, 8, 1), (8, 1, 2, 2, 4), (4, 2, 2, 1, 4), (4, 2, 4, 2, 2)],
+)
+def test_expert_parallel_carves_dp_shard(
+    dp_shard: int, cp: int, ep: int, in_ep: int, mod_ep: int
+) -> None:
+    """ep = dp_shard_in_ep x cp; what is left of dp_shard FSDP-shards each expert."""
+    dims = ParallelDims(
+        dp_replicate=2, dp_shard=dp_shard, cp=cp, tp=2, pp=1, world_size=4 * dp_shard * cp, ep=ep
+    )
+    assert (dims.dp_shard_in_ep, dims.dp_shard_mod_ep) == (in_ep, mod_ep)
+    assert dims.dp_shard_in_ep * cp == ep and in_ep * mod_ep == dp_shard
+    assert dims.expert_fsdp_mesh_dims == ("dp_replicate", "dp_shard_mod_ep")
