@@ -15,6 +15,7 @@ from titan_core.config.job import LRScheduler, Optimizer, Parallelism
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.distributed.utils import clip_grad_norm_
 from titan_core.errors import ConfigError
+from titan_core.logging import logger
 
 
 def _lrs(sched: torch.optim.lr_scheduler.LRScheduler, n: int) -> list[float]:
@@ -78,9 +79,22 @@ def test_scheduler_state_roundtrip() -> None:
     assert _lrs(c, 13) == full[7:]
 
 
-def test_warmup_longer_than_training_is_an_error() -> None:
-    with pytest.raises(ConfigError, match=r"lr_scheduler\.warmup_steps"):
-        build_lr_scheduler(_opt(), LRScheduler(warmup_steps=30), 10)
+def test_warmup_longer_than_training_is_cut_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A recipe's long warmup on a short run warms up over the whole run (torchtitan's rule),
+    with one warning naming both keys, instead of refusing the run."""
+    logger.addHandler(caplog.handler)  # the titan logger does not propagate
+    try:
+        sched = build_lr_scheduler(_opt(), LRScheduler(warmup_steps=30), 4)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert _lrs(sched, 4) == pytest.approx([1 / 5, 2 / 5, 3 / 5, 4 / 5])
+    # A set: before init_logger the record also propagates to caplog's root handler.
+    warnings = {r.getMessage() for r in caplog.records if r.levelname == "WARNING"}
+    assert warnings == {
+        "lr_scheduler.warmup_steps 30 exceeds training.steps 4: warming up over all 4 steps instead"
+    }
 
 
 def test_optimizer_matches_torch_adamw() -> None:

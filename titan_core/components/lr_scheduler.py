@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan_core.config.job import LRScheduler as LRSchedulerConfig
-from titan_core.errors import ConfigError
+from titan_core.logging import logger
 
 
 def wsd_factor(
@@ -42,20 +42,28 @@ def wsd_factor(
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, training_steps: int
 ) -> LambdaLR:
-    """A ``LambdaLR`` following the warmup-stable-decay shape for ``training_steps`` steps."""
-    if cfg.warmup_steps > training_steps:
-        raise ConfigError(
-            f"lr_scheduler.warmup_steps: expected <= training.steps ({training_steps}), "
-            f"got {cfg.warmup_steps}"
+    """A ``LambdaLR`` following the warmup-stable-decay shape for ``training_steps`` steps.
+
+    A warmup longer than the run (a recipe's 20 warmup steps with ``--training.steps 4``) is
+    cut to the run's length with a warning, as torchtitan does."""
+    warmup_steps = cfg.warmup_steps
+    if warmup_steps > training_steps:
+        logger.warning(
+            "lr_scheduler.warmup_steps %d exceeds training.steps %d: warming up over all %d "
+            "steps instead",
+            warmup_steps,
+            training_steps,
+            training_steps,
         )
-    after_warmup = training_steps - cfg.warmup_steps
+        warmup_steps = training_steps
+    after_warmup = training_steps - warmup_steps
     if cfg.decay_ratio == -1.0:
         decay_steps = after_warmup
     else:
         decay_steps = min(after_warmup, round(training_steps * cfg.decay_ratio))
     fn = partial(
         wsd_factor,
-        warmup_steps=cfg.warmup_steps,
+        warmup_steps=warmup_steps,
         stable_steps=after_warmup - decay_steps,
         decay_steps=decay_steps,
         decay_type=cfg.decay_type,
