@@ -26,6 +26,8 @@ args=(--module "$MODULE" --config "$CONFIG")
 export PYTHONUNBUFFERED=1
 # A fresh rendezvous store per torchrun restart (torch's shared one keeps a dead attempt's keys).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+# torchrun's --tee tags each line [rankN]: so the engine's logger adds no tag of its own.
+export TITAN_LOG_RANK_PREFIX=0
 if [ -n "$COMM_MODE" ]; then
   # Debug modes: ONE process simulates all NGPU ranks on fake process groups (fake_backend:
   # dry run of the plan + one fake step; local_tensor: real numerics). No torchrun.

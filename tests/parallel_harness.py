@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -174,6 +175,9 @@ def launch_job(
         get_launcher(settings).run(spec, collect)
     except LaunchError as e:
         raise AssertionError(f"{e}\n" + "\n".join(lines)[-8000:]) from None
+    # torchrun tags the lines; the engine's logger must not tag them again ([rank0]:[rank0]).
+    doubled = [line for line in lines if re.match(r"\[rank\d+\]:\[rank\d+\]", line)]
+    assert not doubled, doubled[:3]
     return "\n".join(lines)
 
 

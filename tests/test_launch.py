@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -388,3 +389,19 @@ def test_slurm_output_follower_handles_split_characters_and_truncation(tmp_path:
     follower.drain(got.append)
     follower.drain(got.append, final=True)
     assert got[-1] == "requeued"
+
+
+@pytest.mark.parametrize(("launcher_env", "prefix"), [({}, "[rank1] [titan]"), (None, "[titan]")])
+def test_engine_lines_carry_one_rank_tag(launcher_env: dict[str, str] | None, prefix: str) -> None:
+    """Under plain torchrun the engine tags its lines with the rank; under titan's launchers
+    (whose torchrun already writes ``[rankN]:``) it does not, so no line reads
+    ``[rank1]:[rank1]``."""
+    from titan_core.launch.local import launcher_variables
+
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
+    env.update(launcher_variables(Launch()) if launcher_env is None else launcher_env)
+    code = "from titan_core.logging import init_logger, logger; init_logger(); logger.info('hi')"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.startswith(f"{prefix} ") and out.rstrip().endswith("INFO hi"), out

@@ -29,6 +29,7 @@ from titan_core.config.job import Launch
 from titan_core.errors import ConfigError
 from titan_core.launch.failures import LaunchError, describe_failure
 from titan_core.launch.spec import LaunchResult, LaunchSpec, LineCallback
+from titan_core.logging import RANK_PREFIX_ENV
 
 TAIL_LINES = 400  # enough to hold torchrun's failure report and the rank's last error
 # torchrun, told to stop, gives its workers 30 s before it kills them; then it is our turn.
@@ -90,7 +91,9 @@ def rank_filter(log_ranks: str) -> Callable[[str], bool]:
 
 def launcher_variables(launch: Launch) -> dict[str, str]:
     """The variables every backend sets for its job (threads, unbuffered output, rank tags)."""
-    env = {"PYTHONUNBUFFERED": "1", PREFIX_TEMPLATE_ENV: PREFIX_TEMPLATE}
+    # torchrun tags every tee'd line with the rank: the engine's logger then adds no tag of its
+    # own (no doubled "[rank0]:[rank0]").
+    env = {"PYTHONUNBUFFERED": "1", PREFIX_TEMPLATE_ENV: PREFIX_TEMPLATE, RANK_PREFIX_ENV: "0"}
     # A fresh rendezvous store per round: torchrun's shared one keeps a killed attempt's keys
     # (see titan_core.distributed.utils._restart_store).
     env[NO_SHARED_STORE_ENV] = "1"
