@@ -53,15 +53,25 @@ def run_flow(flow_fn: Any, **kwargs: Any) -> tuple[Any, Any]:
     return state, state.state_details.flow_run_id
 
 
-def task_runs(flow_run_id: Any) -> dict[str, list[Any]]:
-    """The task runs of a flow run, by task name (in start order)."""
+def task_runs(flow_run_id: Any, timeout: float = 30.0) -> dict[str, list[Any]]:
+    """The task runs of a finished flow run, by task name (in start order).
+
+    Task-run states reach the API as events, recorded a moment after the flow run returns: poll
+    until none is still pending or running (a finished flow leaves no task run unfinished).
+    """
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + timeout
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-        )
+        while True:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            )
+            settled = all(run.state is not None and run.state.is_final() for run in runs)
+            if settled or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     by_name: dict[str, list[Any]] = {}
     for run in sorted(runs, key=lambda r: r.expected_start_time or r.created):
         by_name.setdefault(run.name.rsplit("-", 1)[0], []).append(run)
