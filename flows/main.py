@@ -1,6 +1,6 @@
 """The ``titan`` console script: one dispatcher over the engine's and the pipeline's CLIs.
 
-    titan train [--ngpu N] [--log-rank R] [--module M --config C] [--section.field value ...]
+    titan train [--ngpu N] [--log-rank R] [--dry-run] [--module M --config C] [overrides]
     titan launch [--dry-run] [config args]              # with [launch] backend: local, slurm...
     titan config [--module M --config C] [overrides]     # print the resolved config as TOML
     titan demo [--steps N] [overrides]                   # whole pipeline offline; rerun continues
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train (under torchrun when --ngpu > 1)", add_help=False)
     train.add_argument("--ngpu", type=int, default=1, help="processes on this host")
     train.add_argument("--log-rank", default="0", help="ranks whose output is shown")
+    train.add_argument("--dry-run", action="store_true", help="print the command, do not run")
     sub.add_parser("config", help="print the resolved config as TOML", add_help=False)
     demo = sub.add_parser(
         "demo",
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ns, rest = parser.parse_known_args(argv)
     try:
         if ns.command == "train":
-            return engine.train(ns.ngpu, ns.log_rank, rest)
+            return engine.train(ns.ngpu, ns.log_rank, rest, ns.dry_run)
         if ns.command == "config":
             return engine.config(rest)
         if ns.command in _DELEGATED:

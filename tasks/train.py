@@ -52,7 +52,7 @@ def train(config_url: str, seed_url: str = "", tracking: TrackingContext | None 
     ``seed_url`` is loaded when the run has no checkpoint of its own yet.
     """
     from titan_core.build import local_side_folder
-    from titan_core.launch import LaunchSpec, get_launcher
+    from titan_core.launch import get_launcher, train_spec
 
     cfg = load_config(config_url)
     logger = run_logger()
@@ -62,15 +62,13 @@ def train(config_url: str, seed_url: str = "", tracking: TrackingContext | None 
     done = complete_steps(folder)
     start = f"step-{done[-1]}, the newest complete checkpoint" if done else "the seed checkpoint"
     logger.info("Attempt %d: training to step %d from %s", attempt, cfg.training.steps, start)
-    args = ["--job.config_file", config_url]
-    if seed_url:
-        args += ["--checkpoint.initial_load_path", seed_url]
     faults = tuple(k for k in os.environ if k.startswith(FAULT_PREFIX)) if attempt > 1 else ()
     side = local_side_folder(cfg.job.dump_folder)
     with stage_run(tracking, "train", reuse=True) as mlflow_run_id:
-        spec = LaunchSpec(
-            args=args,
-            launch=cfg.launch,
+        spec = train_spec(
+            config_url,
+            cfg.launch,
+            initial_load_path=seed_url,
             env=_job_env(tracking, mlflow_run_id),
             env_unset=faults,
             log_dir=os.path.join(side, "logs", f"attempt-{attempt}"),

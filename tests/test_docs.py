@@ -66,12 +66,10 @@ def _split_env(line: str) -> tuple[dict[str, str], list[str]]:
 def _config_argv(line: str) -> list[str]:
     env, words = _split_env(line)
     if words[0] == "./run_train.sh":
-        argv = [
-            "--module",
-            env.get("MODULE", "llama3"),
-            "--config",
-            env.get("CONFIG", "llama3_debugmodel"),
-        ]
+        argv = []
+        if "MODULE" in env or "CONFIG" in env or "CONFIG_FILE" not in env:
+            argv = ["--module", env.get("MODULE", "llama3")]
+            argv += ["--config", env.get("CONFIG", "llama3_debugmodel")]
         if "CONFIG_FILE" in env:
             argv += ["--job.config_file", env["CONFIG_FILE"]]
         return argv + words[1:]

@@ -405,3 +405,44 @@ def test_engine_lines_carry_one_rank_tag(launcher_env: dict[str, str] | None, pr
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout
     assert out.startswith(f"{prefix} ") and out.rstrip().endswith("INFO hi"), out
+
+
+def test_titan_train_run_train_sh_and_the_train_task_render_one_command(tmp_path: Path) -> None:
+    """One launch path: ``titan train --ngpu 2``, ``NGPU=2 ./run_train.sh`` and the pipeline's
+    train task build the same torchrun command (titan_core.launch's local backend) for one
+    config. The task's only addition is a per-attempt ``--log-dir``."""
+    import dataclasses
+    import re
+
+    from titan_core.config.job import JobConfig
+    from titan_core.config.manager import load_toml, to_toml
+    from titan_core.launch import train_spec
+
+    root = Path(__file__).resolve().parents[1]
+    config = tmp_path / "config.toml"
+    cfg = JobConfig()
+    cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, nproc_per_node=2))
+    config.write_text(to_toml(cfg))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("OMP_NUM_THREADS", None)
+
+    def rendered(cmd: list[str], **extra: str) -> str:
+        proc = subprocess.run(
+            cmd, env={**env, **extra}, capture_output=True, text=True, cwd=tmp_path, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    titan = rendered(
+        [sys.executable, "-m", "flows.main", "train", "--ngpu", "2", "--dry-run",
+         "--job.config_file", str(config)]
+    )  # fmt: skip
+    script = rendered([str(root / "run_train.sh"), "--dry-run"], NGPU="2", CONFIG_FILE=str(config))
+    cfg = load_toml(str(config), JobConfig())
+    spec = train_spec(str(config), cfg.launch, log_dir=str(tmp_path / "logs" / "attempt-1"))
+    task = get_launcher(cfg.launch).render(spec)
+    assert "--log-dir=" in task
+    task = re.sub(r" --log-dir=\S+", "", task)
+    assert titan == script == task
+    assert "-m torch.distributed.run --nnodes=1 --nproc_per_node=2" in titan
+    assert titan.endswith(f"-m titan_core.train --job.config_file {config}")

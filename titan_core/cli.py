@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
+import shlex
 import statistics
 import sys
 
+from titan_core.config.job import Launch
+from titan_core.launch import Launcher, LaunchSpec, get_launcher
+from titan_core.launch.local import job_environment
 
-def train(ngpu: int, log_rank: str, rest: list[str]) -> int:
-    """``titan train``: in this process, or under torchrun on ``ngpu`` local processes."""
+
+def train(ngpu: int, log_rank: str, rest: list[str], dry_run: bool = False) -> int:
+    """``titan train``: in this process, or under torchrun on ``ngpu`` local processes.
+
+    Several processes go through ``titan_core.launch``'s local backend, the same command builder
+    as ``titan launch`` and the pipeline's train task (``./run_train.sh`` calls this).
+    ``dry_run`` prints the command instead of running it.
+    """
     if ngpu > 1 and (simulated := _comm_mode_args(ngpu, rest)):
         # COMM_MODE: one process simulates all ngpu ranks (titan_core.comm_mode).
         rest, ngpu = simulated, 1
@@ -22,33 +31,31 @@ def train(ngpu: int, log_rank: str, rest: list[str]) -> int:
         from titan_core.build import check_job
         from titan_core.config.manager import parse_args
 
-        check_job(parse_args(rest), ngpu)  # a bad config fails here, before torchrun starts
-        torchrun = shutil.which("torchrun") or os.path.join(
-            os.path.dirname(sys.executable), "torchrun"
-        )
-        cmd = [
-            torchrun,
-            f"--nproc_per_node={ngpu}",
-            "--rdzv_backend",
-            "c10d",
-            "--rdzv_endpoint",
-            "localhost:0",
-            "--local-ranks-filter",
-            log_rank,
-            "--role",
-            "rank",
-            "--tee",
-            "3",
-            "-m",
-            "titan_core.train",
-            *rest,
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see titan_core.launch
-        os.execve(cmd[0], cmd, env)
+        cfg = parse_args(rest)
+        check_job(cfg, ngpu)  # a bad config fails here, before torchrun starts
+        launcher, spec = local_train_launch(cfg.launch, rest, ngpu, log_rank)
+        if dry_run:
+            print(launcher.render(spec))
+            return 0
+        cmd = launcher.command(spec)
+        os.execve(cmd[0], cmd, job_environment(spec))
+    if dry_run:
+        print(shlex.join([sys.executable, "-m", "titan_core.train", *rest]))
+        return 0
     from titan_core.train import main as train_main
 
     return train_main(rest)
+
+
+def local_train_launch(
+    launch: Launch, args: list[str], ngpu: int, log_rank: str
+) -> tuple[Launcher, LaunchSpec]:
+    """The local launcher and spec of ``titan train --ngpu``: the config's ``[launch]`` section
+    on this one host with ``ngpu`` processes, showing ``log_rank``'s output."""
+    launch = dataclasses.replace(
+        launch, backend="local", nnodes=1, nproc_per_node=ngpu, log_ranks=log_rank
+    )
+    return get_launcher(launch), LaunchSpec(args=list(args), launch=launch)
 
 
 def _comm_mode_args(ngpu: int, rest: list[str]) -> list[str]:

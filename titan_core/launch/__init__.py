@@ -18,7 +18,7 @@ from collections.abc import Callable
 from titan_core.config.job import Launch
 from titan_core.errors import ConfigError
 from titan_core.launch.failures import LaunchError, describe_failure
-from titan_core.launch.spec import Launcher, LaunchResult, LaunchSpec, LineCallback
+from titan_core.launch.spec import Launcher, LaunchResult, LaunchSpec, LineCallback, train_spec
 
 _BACKENDS: dict[str, Callable[[], Launcher]] = {}
 
@@ -59,4 +59,5 @@ __all__ = [
     "describe_failure",
     "get_launcher",
     "register_backend",
+    "train_spec",
 ]

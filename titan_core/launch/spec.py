@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from titan_core.config.job import Launch
 
@@ -31,6 +31,18 @@ class LaunchSpec:
     """Folder for per-rank log files (default: a temporary folder of the backend)."""
     timeout_s: float | None = None
     """Kill the job and fail after this many seconds (None: no limit)."""
+
+
+def train_spec(
+    config_url: str, launch: Launch, *, initial_load_path: str = "", **kw: Any
+) -> LaunchSpec:
+    """The training job of a stored config (the pipeline's train stage): every rank runs
+    ``titan_core.train --job.config_file config_url``, loading ``initial_load_path`` when the run
+    has no checkpoint of its own. ``kw``: the other ``LaunchSpec`` fields (env, log_dir, ...)."""
+    args = ["--job.config_file", config_url]
+    if initial_load_path:
+        args += ["--checkpoint.initial_load_path", initial_load_path]
+    return LaunchSpec(args=args, launch=launch, **kw)
 
 
 @dataclass(frozen=True)
