@@ -72,6 +72,20 @@ def test_text_field_and_fsspec_url(tmp_path: Path) -> None:
     assert _docs("memory://titan-test", text_field="body") == DOCS[:4]
 
 
+def test_rows_without_the_text_field_name_the_field_and_what_they_have(tmp_path: Path) -> None:
+    """A wrong ``training.dataset_text_field`` is one line naming the field and the fields the
+    rows have, not "no documents" after every row was skipped as empty."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
+    with pytest.raises(DataError) as e:
+        build_document_source(str(path), text_field="text").check_nonempty()
+    message = str(e.value)
+    assert "\n" not in message and "no field 'text'" in message
+    assert "'body', 'id'" in message and "training.dataset_text_field" in message
+    path.write_text(json.dumps({"text": "", "id": 0}) + "\n" + json.dumps({"text": "a"}) + "\n")
+    assert _docs(str(path)) == ["a"]  # an empty text is still a skipped row, not an error
+
+
 def test_rank_split_is_round_robin_disjoint_and_covering(tmp_path: Path) -> None:
     for i in range(3):
         _write_jsonl(tmp_path / f"part-{i}.jsonl", DOCS[i * 8 : (i + 1) * 8])

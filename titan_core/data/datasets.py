@@ -97,6 +97,8 @@ class DocumentSource(ABC):
     def __init__(self, label: str) -> None:
         self.label = label
         self.stats: dict[str, int] = {"skipped_empty": 0, "skipped_undecodable": 0}
+        self.text_field = "text"
+        self._fields_checked = False
 
     @abstractmethod
     def _rows(self, start: int, stats: dict[str, int]) -> Iterator[str | None]:
@@ -108,6 +110,21 @@ class DocumentSource(ABC):
 
     def __iter__(self) -> DocumentStream:
         return self.iter_from(0)
+
+    def _text(self, row: Any, stats: dict[str, int]) -> str | None:
+        """The text of one parsed row (None: skipped and counted). The first row with fields
+        must have the text field: a DataError names it and the fields found, instead of a wrong
+        ``training.dataset_text_field`` skipping every row as empty. Later rows without it are
+        skipped like empty ones."""
+        if not self._fields_checked and isinstance(row, dict) and row:
+            if self.text_field not in row:
+                found = ", ".join(repr(str(k)) for k in list(row)[:20])
+                raise DataError(
+                    f"{self.label}: rows have no field {self.text_field!r} (found: {found}); "
+                    "set training.dataset_text_field"
+                )
+            self._fields_checked = True
+        return _row_text(row, self.text_field, stats)
 
     def check_nonempty(self) -> None:
         """Raise DataError unless this rank's stream yields at least one document."""
@@ -152,15 +169,14 @@ class LocalDocumentSource(DocumentSource):
 
     def _parse(self, kind: str, raw: Any, stats: dict[str, int]) -> str | None:
         if kind == "row":
-            return _row_text(raw, self.text_field, stats)
+            return self._text(raw, stats)
         try:
             text = raw.decode("utf-8")
-            if kind == "txt":
-                return text
-            return _row_text(json.loads(text), self.text_field, stats)
+            row = text if kind == "txt" else json.loads(text)
         except ValueError:  # UnicodeDecodeError and JSONDecodeError both are ValueErrors
             stats["skipped_undecodable"] += 1
             return None
+        return row if kind == "txt" else self._text(row, stats)
 
 
 class HFDocumentSource(DocumentSource):
@@ -207,7 +223,7 @@ class HFDocumentSource(DocumentSource):
         else:
             rows = iter(self.dataset.skip(start) if start else self.dataset)
         for row in rows:
-            yield _row_text(row, self.text_field, stats)
+            yield self._text(row, stats)
 
 
 def is_local_dataset(location: str) -> bool:
