@@ -1,65 +1,18 @@
-"""What every task shares: loading the run's config, secret redaction, retry policy, logging."""
+"""Prefect glue every task shares: the retry condition. The rest lives in
+``titan_core.pipeline.common`` (re-exported here for the tasks' imports)."""
 
 from __future__ import annotations
 
-import logging
-import os
-import re
 from typing import Any
 
-from titan_core.config.job import JobConfig
 from titan_core.errors import TitanError
-
-# Environment variables whose values must never reach a log, a param, a tag or an artifact.
-SECRET_ENV_VARS = (
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "HF_TOKEN",
-    "HUGGING_FACE_HUB_TOKEN",
-    "MLFLOW_TRACKING_PASSWORD",
-    "MLFLOW_TRACKING_TOKEN",
+from titan_core.pipeline.common import (  # noqa: F401  (re-exports)
+    load_config,
+    mask_params,
+    redact,
+    register_secret,
+    run_logger,
 )
-_SECRET_KEY_RE = re.compile(r"secret|token|password|passwd|credential|api_key", re.IGNORECASE)
-_URL_USERINFO_RE = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
-MASK = "***"
-_registered: set[str] = set()
-
-
-def register_secret(value: str) -> None:
-    """Treat ``value`` (e.g. read from a Prefect Secret block) as a secret from now on."""
-    if value and len(value) >= 4:
-        _registered.add(value)
-
-
-def known_secrets() -> list[str]:
-    """Secret values currently known: registered ones and the secret environment variables."""
-    found = {os.environ.get(name, "") for name in SECRET_ENV_VARS} | _registered
-    return sorted((s for s in found if len(s) >= 4), key=len, reverse=True)
-
-
-def redact(text: str) -> str:
-    """``text`` with every known secret value and any URL password replaced by ``***``."""
-    for secret in known_secrets():
-        text = text.replace(secret, MASK)
-    return _URL_USERINFO_RE.sub(lambda m: f"{m.group('scheme')}{MASK}@", text)
-
-
-def mask_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Config params safe to record: secret-looking keys masked, values redacted."""
-    out: dict[str, Any] = {}
-    for key, value in params.items():
-        if _SECRET_KEY_RE.search(key.rsplit(".", 1)[-1]) and value not in ("", None):
-            out[key] = MASK
-        else:
-            out[key] = redact(value) if isinstance(value, str) else value
-    return out
-
-
-def load_config(config_url: str) -> JobConfig:
-    """The resolved config a run saved (``<run>/config.toml``, a path or URL), validated."""
-    from titan_core.config.manager import parse_args
-
-    return parse_args(["--job.config_file", config_url])
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -68,17 +21,3 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     if isinstance(exc, TitanError):
         return False
     return bool(getattr(exc, "retryable", True))
-
-
-def run_logger() -> logging.Logger | logging.LoggerAdapter:
-    """The Prefect run logger inside a task or flow, the ``titan`` logger elsewhere."""
-    try:
-        from prefect.exceptions import MissingContextError
-        from prefect.logging import get_run_logger
-
-        return get_run_logger()
-    except (ImportError, MissingContextError):
-        from titan_core.logging import init_logger, logger
-
-        init_logger()
-        return logger
