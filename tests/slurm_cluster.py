@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from helpers import free_port
 
 DAEMONS = ("slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scancel", "scontrol", "srun")
@@ -67,12 +68,6 @@ def unavailable() -> str:
     return ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
-
-
 def write_config(workdir: Path, addr: str) -> Path:
     """slurm.conf for a controller and two nodes on this host; returns its path."""
     host = socket.gethostname()
@@ -82,7 +77,7 @@ def write_config(workdir: Path, addr: str) -> Path:
     lines = [
         "ClusterName=titan-test",
         f"SlurmctldHost={host}({addr})",
-        f"SlurmctldPort={_free_port()}",
+        f"SlurmctldPort={free_port('0.0.0.0')}",
         "AuthType=auth/none",
         "CredType=cred/none",
         "ProctrackType=proctrack/linuxproc",
@@ -110,7 +105,7 @@ def write_config(workdir: Path, addr: str) -> Path:
     ]
     for name in NODES:
         lines.append(
-            f"NodeName={name} NodeHostname={host} NodeAddr={addr} Port={_free_port()} "
+            f"NodeName={name} NodeHostname={host} NodeAddr={addr} Port={free_port('0.0.0.0')} "
             f"CPUs={cpus} State=UNKNOWN"
         )
     lines.append(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import process_env
 from parallel_harness import assert_parity, run_layout
 
 from titan_core import comm_mode
@@ -22,20 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
 
 
-def _env(**extra: str) -> dict[str, str]:
-    venv_bin = os.path.dirname(sys.executable)
-    return {
-        **os.environ,
-        "PATH": f"{venv_bin}:{os.environ['PATH']}",
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
-
-
 def _run_train(args: list[str], timeout: int, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(ROOT / "run_train.sh"), *args],
-        env=_env(**env),
+        env=process_env(**env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -179,7 +169,7 @@ def test_local_tensor_fsdp_is_one_line_before_anything_starts(tmp_path: Path) ->
     args += ["--comm.mode", "local_tensor", "--comm.fake_world_size", "2"]
     proc = subprocess.run(
         [sys.executable, "-m", "titan_core.train", *args],
-        env=_env(),
+        env=process_env(),
         capture_output=True,
         text=True,
         timeout=120,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import process_env
 
 from titan_core.checkpoint.manager import complete_steps
 
@@ -24,16 +24,6 @@ TINY_OVERRIDES = [
 ]
 
 
-def _env(**extra: str) -> dict[str, str]:
-    venv_bin = os.path.dirname(sys.executable)
-    return {
-        **os.environ,
-        "PATH": f"{venv_bin}:{os.environ['PATH']}",
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
-
-
 @pytest.mark.multiprocess
 def test_run_train_sh_two_ranks_log_rank(tmp_path: Path, assets: Path) -> None:
     toml = tmp_path / "job.toml"
@@ -46,7 +36,9 @@ def test_run_train_sh_two_ranks_log_rank(tmp_path: Path, assets: Path) -> None:
             "--checkpoint.no_enable",
             *TINY_OVERRIDES,
         ],
-        env=_env(NGPU="2", LOG_RANK="0,1", CONFIG="llama3_debugmodel_tiny", CONFIG_FILE=str(toml)),
+        env=process_env(
+            NGPU="2", LOG_RANK="0,1", CONFIG="llama3_debugmodel_tiny", CONFIG_FILE=str(toml)
+        ),
         capture_output=True,
         text=True,
         timeout=300,
@@ -88,12 +80,12 @@ def test_titan_demo_resumes_when_run_again(tmp_path: Path, assets: Path) -> None
         "1",
         "--validation.no_enable",
     ]
-    first = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=300)
+    first = subprocess.run(args, env=process_env(), capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "mean loss of the first" in first.stdout
     ckpt = str(tmp_path / "demo" / "checkpoint")
     assert complete_steps(ckpt) == [3, 6]
-    second = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=300)
+    second = subprocess.run(args, env=process_env(), capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "found checkpoint step-6" in second.stdout and "continuing to step 12" in second.stdout
     assert "(step 6)" in second.stdout  # loaded the full state of step 6, not fresh weights
@@ -116,7 +108,7 @@ def test_titan_config_prints_resolved_toml() -> None:
             "--training.seq_len",
             "4096",
         ],
-        env=_env(),
+        env=process_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -140,7 +132,7 @@ def test_titan_train_error_is_one_line(tmp_path: Path) -> None:
             "--job.dump_folder",
             str(tmp_path / "x"),
         ],
-        env=_env(),
+        env=process_env(),
         capture_output=True,
         text=True,
         timeout=120,

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 
 from titan_core.config.job import Launch
 from titan_core.errors import ConfigError
@@ -131,11 +132,15 @@ DRIVER = textwrap.dedent(
 
 
 @pytest.mark.multiprocess
+def _alive(pids: list[int]) -> list[int]:
+    """The processes of ``pids`` still running (zombies count as gone)."""
+    import psutil
+
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
 def test_sigterm_to_the_caller_ends_the_whole_job(tmp_path: Path) -> None:
     import subprocess
-    import time
-
-    import psutil
 
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     driver = subprocess.Popen(
@@ -153,10 +158,8 @@ def test_sigterm_to_the_caller_ends_the_whole_job(tmp_path: Path) -> None:
             break
     driver.send_signal(signal.SIGTERM)
     assert driver.wait(timeout=60) == 128 + signal.SIGTERM
-    deadline = time.monotonic() + 30  # the agent stops its workers, then exits
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
-        assert time.monotonic() < deadline, f"workers {pids} outlived their launcher"
-        time.sleep(0.05)
+    # the agent stops its workers, then exits
+    wait_until(lambda: not _alive(pids), timeout=30, what=f"workers {pids} gone", interval=0.05)
 
 
 # ------------------------------------------------------------------ several nodes
@@ -349,9 +352,6 @@ def test_titan_launch_dry_run_prints_without_running(
 def test_launch_timeout_leaves_no_worker_behind(backend: str, nnodes: int, tmp_path: Path) -> None:
     """torch starts every worker in a session of its own: killing an agent's process group
     would orphan them. The launcher stops the agents and every worker it has seen."""
-    import time
-
-    import psutil
 
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     launch = Launch(backend=backend, nnodes=nnodes, nproc_per_node=2 // nnodes, log_ranks="all")
@@ -363,10 +363,7 @@ def test_launch_timeout_leaves_no_worker_behind(backend: str, nnodes: int, tmp_p
         get_launcher(launch).run(spec, lines.append)
     pids = [int(line.rsplit(" ", 1)[1]) for line in lines if "worker pid" in line]
     assert len(pids) == 2, lines
-    deadline = time.monotonic() + 10
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
-        assert time.monotonic() < deadline, f"workers {pids} outlived their launch"
-        time.sleep(0.1)
+    wait_until(lambda: not _alive(pids), timeout=10, what=f"workers {pids} gone after the timeout")
 
 
 def test_slurm_output_follower_handles_split_characters_and_truncation(tmp_path: Path) -> None:

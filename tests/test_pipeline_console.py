@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import free_port
 from pipeline_helpers import flow_logs
 
 ROOT = Path(__file__).resolve().parents[1]
 AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("case", ["tracking_down", "s3_without_credentials"])
@@ -34,7 +28,7 @@ def test_malformed_input_is_one_console_line_without_traceback(
     env |= {"PREFECT_API_URL": str(PREFECT_API_URL.value()), "PREFECT_HOME": str(prefect_harness)}
     argv = ["--tracking.uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
     if case == "tracking_down":
-        argv = ["--tracking.uri", f"http://127.0.0.1:{_free_port()}"]
+        argv = ["--tracking.uri", f"http://127.0.0.1:{free_port()}"]
         argv += ["--storage.root", str(tmp_path / "out")]
         expected = "error: tracking.uri: no MLflow server answers"
     else:  # the S3 server is up, but this process has no credentials for it

@@ -9,13 +9,13 @@ validation losses are compared with a single-process run that logs them.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import reproducible_env
 from parallel_harness import (
     assert_parity,
     free_port,
@@ -29,10 +29,6 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 # Validation at steps 5 and 10 (2 batches each); full-state saves at steps 4 and 8.
 VALIDATE = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "2"]
 SAVE = ["--checkpoint.no_load_only", "--checkpoint.interval", "4"]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "AUTO,STRICT"}
 
 
 def _rows(dump: Path) -> list[dict]:
@@ -138,7 +134,7 @@ def test_tp_compile_parity(
 def _train_error(tmp_path: Path, args: list[str], world_size: int) -> str:
     """Run rank 0 of a ``world_size`` world alone: a config error must come out before the
     process group (which would wait for the missing ranks) starts."""
-    env = {**_env(), "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
+    env = {**reproducible_env(), "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     cmd = [sys.executable, "-m", "titan_core.train", "--module", "llama3"]
     cmd += ["--config", "llama3_debugmodel_tiny", "--job.dump_folder", str(tmp_path / "run")]

@@ -1,0 +1,79 @@
+"""The tests' shared helpers: free ports, polling with a deadline, process environments, tiny
+model configs. One copy here; test modules and fixtures import them (tests/ is on sys.path)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[1]
+
+# The tiny debug Llama: seconds of CPU per step on gloo.
+TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports the kernel reports free now (all held open until every one is
+    picked, so they differ)."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    return free_ports(1, host)[0]
+
+
+def wait_until(
+    condition: Callable[[], T | None],
+    *,
+    timeout: float,
+    what: str,
+    interval: float = 0.2,
+    on_timeout: Callable[[], str] = lambda: "",
+) -> T:
+    """Poll ``condition`` until it returns something truthy (returned) or ``timeout`` seconds
+    pass (an AssertionError naming ``what`` plus ``on_timeout()``'s details)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            details = on_timeout()
+            raise AssertionError(
+                f"{what}: not after {timeout}s" + (f"\n{details}" if details else "")
+            )
+        time.sleep(interval)
+
+
+def process_env(**extra: str) -> dict[str, str]:
+    """The environment for a process a test starts: this interpreter's venv first on PATH (for
+    ``torchrun``, ``titan``), one OpenMP thread per process (2 cores are shared), ``extra``."""
+    venv_bin = os.path.dirname(sys.executable)
+    return {
+        **os.environ,
+        "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+
+
+def reproducible_env(**extra: str) -> dict[str, str]:
+    """``process_env`` with MKL's reproducible mode: one process and several agree bit for bit
+    on CPU (parity tests)."""
+    return process_env(MKL_CBWR="AUTO,STRICT", **extra)
