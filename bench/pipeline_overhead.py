@@ -54,8 +54,9 @@ def main() -> int:
     prepare_prefect_env()
     from prefect import flow
 
-    from flows.demo import DEMO_CONFIG, DEMO_EVAL_BATCHES, DEMO_MODULE, DEMO_OVERRIDES
+    from flows.demo import DEMO_OVERRIDES, DEMO_RECIPE
     from flows.pipeline import pretrain_pipeline
+    from titan_core.config.resolve import cli_values
 
     @flow(name="warm-up")
     def warm_up() -> None:
@@ -66,12 +67,10 @@ def main() -> int:
     startup = time.perf_counter() - start
     steps = ["--training.steps", str(ns.steps)] if ns.steps else []
     start = time.perf_counter()
+    argv = [*DEMO_OVERRIDES, *steps, "--storage.no_progress", *overrides]
     state = pretrain_pipeline(
-        module=DEMO_MODULE,
-        config=DEMO_CONFIG,
-        overrides=[*DEMO_OVERRIDES, *steps, "--storage.no_progress", *overrides],
-        storage_root=storage,
-        eval_batches=DEMO_EVAL_BATCHES,
+        recipe=DEMO_RECIPE,
+        overrides=cli_values(argv) | {"storage.root": storage},
         return_state=True,
     )
     wall = time.perf_counter() - start

@@ -1,7 +1,8 @@
 """``titan pipeline``: run the Prefect flows from the command line (embedded Prefect, no server).
 
-    titan pipeline run [--module M --config C | --config-file F] [--storage URL]
-                       [--tracking-uri URI] [--run-id ID] [--eval-batches N] [--section.field v ...]
+    titan pipeline run [--config RECIPE [--module FAMILY]] [--config-file F] [--run-id ID]
+                       [--section.field v ...]   # e.g. --storage.root URL --tracking.uri URI
+                                                 #      --evaluate.batches N
     titan pipeline deploy [--pool NAME] [--name DEPLOYMENT ...] [--prefect-file FILE]
 
 Without ``PREFECT_API_URL`` Prefect starts a temporary local server whose database lives under
@@ -41,6 +42,9 @@ def prepare_prefect_env() -> str:
     os.environ.setdefault("PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT", "false")
     # The temporary server migrates a new database on its first start: slow on a busy machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    from flows.console import quiet_user_errors
+
+    quiet_user_errors()  # a user error in a flow: one line on the console, not a traceback
     return home
 
 
@@ -53,7 +57,14 @@ def build_parser() -> OneLineParser:
         allow_abbrev=False,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run pretrain_pipeline locally", allow_abbrev=False)
+    run = sub.add_parser(
+        "run",
+        help="run pretrain_pipeline locally",
+        description="Run pretrain_pipeline in this process. Every other --section.field VALUE is "
+        "a config override, e.g. --storage.root URL, --tracking.uri URI, --evaluate.batches N "
+        "(titan config --help lists them all).",
+        allow_abbrev=False,
+    )
     add_config_args(run)
     run.add_argument("--run-id", default="", help="reuse a run root (resumes its training)")
     from flows.deploy import add_arguments as add_deploy_arguments
@@ -65,37 +76,55 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+# Flags that became config keys: one spelling per setting, the config's.
+RENAMED_FLAGS = {
+    "--storage": "--storage.root",
+    "--tracking-uri": "--tracking.uri",
+    "--eval-batches": "--evaluate.batches",
+}
+
+
+class _Renamed(argparse.Action):
+    """A flag that became a config key: refused in one line naming the key."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: str | None = None) -> None:
+        """Raise the one-line error."""
+        new = RENAMED_FLAGS[str(option)]
+        raise ConfigError(f"{option}: now the config key {new}; use {new} VALUE")
+
+
+def add_renamed_flags(parser: argparse.ArgumentParser) -> None:
+    """Refuse the old spellings of config keys (hidden from --help)."""
+    for old in RENAMED_FLAGS:
+        parser.add_argument(old, action=_Renamed, nargs="?", help=argparse.SUPPRESS)
+
+
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """The config-selection flags shared by the pipeline commands."""
-    parser.add_argument("--module", default="", help="config registry module (with --config)")
-    parser.add_argument("--config", default="", help="config registry function (with --module)")
+    parser.add_argument(
+        "--config", default="", help="registry recipe (default llama3_debugmodel without a file)"
+    )
+    parser.add_argument(
+        "--module", default="", help="model family of --config (optional: recipe names are unique)"
+    )
     parser.add_argument("--config-file", default="", help="TOML job config")
-    parser.add_argument("--storage", default="", help="run root: a folder or s3://bucket/prefix")
-    parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI")
-    parser.add_argument("--eval-batches", type=int, default=20, help="eval batches; 0 = all")
+    add_renamed_flags(parser)
 
 
 def flow_kwargs(ns: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
-    """``pretrain_pipeline`` arguments from parsed flags; checks the config resolves first."""
-    from flows.config import resolve_job
+    """``pretrain_pipeline`` arguments from parsed flags: the recipe, the file and the
+    ``--section.field value`` overrides as typed dotted keys; checks the config resolves first."""
+    from titan_core.config.resolve import cli_values, resolve_job
 
-    if bool(ns.module) != bool(ns.config):
-        raise ConfigError("--module and --config go together (e.g. --module llama3 --config X)")
-    if not ns.module and not ns.config_file:
-        ns.module, ns.config = "llama3", "llama3_debugmodel"
-    if ns.eval_batches < 0:
-        raise ConfigError(f"--eval-batches: expected an int >= 0, got {ns.eval_batches}")
+    if ns.module and not ns.config:
+        raise ConfigError("--module: names the family of --config (e.g. --config llama3_8b)")
+    recipe = ns.config or ("" if ns.config_file else "llama3_debugmodel")
+    if ns.module:
+        recipe = f"{ns.module}/{recipe}"
+    values = cli_values(overrides)
     # Resolve once here: a bad key is one line now, not a failed flow run.
-    resolve_job(ns.module, ns.config, ns.config_file, overrides, ns.storage, ns.tracking_uri)
-    return {
-        "module": ns.module,
-        "config": ns.config,
-        "config_file": ns.config_file,
-        "overrides": overrides,
-        "storage_root": ns.storage,
-        "tracking_uri": ns.tracking_uri,
-        "eval_batches": ns.eval_batches,
-    }
+    resolve_job(recipe, ns.config_file, values)
+    return {"recipe": recipe, "config_file": ns.config_file, "overrides": values}
 
 
 def where_to_look(result: dict[str, Any], prefect_home: str) -> str:

@@ -14,11 +14,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flows.cli import OneLineParser, prepare_prefect_env, report_errors, where_to_look
+from flows.cli import (
+    OneLineParser,
+    add_renamed_flags,
+    prepare_prefect_env,
+    report_errors,
+    where_to_look,
+)
 
-DEMO_MODULE, DEMO_CONFIG, DEMO_EXPERIMENT = "llama3", "llama3_debugmodel", "demo"
+DEMO_RECIPE, DEMO_EXPERIMENT = "llama3_debugmodel", "demo"
 # Two ranks (FSDP over gloo on CPU), one thread each, 100 steps (about 2 minutes of training on
-# 2 cores); a short held-out eval.
+# 2 cores); a short held-out eval (10 batches).
 DEMO_OVERRIDES = [
     "--job.experiment",
     DEMO_EXPERIMENT,
@@ -26,8 +32,9 @@ DEMO_OVERRIDES = [
     "2",
     "--training.steps",
     "100",
+    "--evaluate.batches",
+    "10",
 ]
-DEMO_EVAL_BATCHES = 10
 # The bundled corpus's train files, every 50th document held out: the same 2% of documents as its
 # raw validation split (~50k tokens, enough for the eval's 10 global batches).
 DEMO_VALIDATION_EVERY = 50
@@ -45,8 +52,7 @@ def build_demo_parser() -> OneLineParser:
     """The ``titan demo`` flags; anything else is a config override."""
     parser = OneLineParser(prog="titan demo", description=__doc__, allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=0, help="steps per run (default: recipe's)")
-    parser.add_argument("--storage", default="", help="run root (default ./outputs)")
-    parser.add_argument("--tracking-uri", default="", help="MLflow tracking URI")
+    add_renamed_flags(parser)  # --storage.root, --tracking.uri: ordinary config overrides
     parser.add_argument(
         "--raw-text",
         action="store_true",
@@ -57,9 +63,9 @@ def build_demo_parser() -> OneLineParser:
 
 def _demo(ns: argparse.Namespace, overrides: list[str]) -> int:
     home = prepare_prefect_env()  # before anything imports Prefect: it reads settings once
-    from flows.config import resolve_job
     from tasks.runs import latest_checkpoint
     from tasks.storage import absolute
+    from titan_core.config.resolve import cli_values, resolve_job
 
     if not ns.raw_text:
         from titan_core.data import ensure_assets
@@ -69,20 +75,14 @@ def _demo(ns: argparse.Namespace, overrides: list[str]) -> int:
     overrides = [*DEMO_OVERRIDES, *overrides]
     if ns.steps:
         overrides += ["--training.steps", str(ns.steps)]
-    cfg = resolve_job(DEMO_MODULE, DEMO_CONFIG, "", overrides, ns.storage, ns.tracking_uri)
+    values = cli_values(overrides)
+    cfg = resolve_job(DEMO_RECIPE, "", values)
     latest = latest_checkpoint(absolute(cfg.storage.root), cfg.job.experiment)
     if latest is None:
         from flows.pipeline import pretrain_pipeline
 
-        print(f"demo: pre-training {DEMO_CONFIG} for {cfg.training.steps} steps")
-        result = pretrain_pipeline(
-            module=DEMO_MODULE,
-            config=DEMO_CONFIG,
-            overrides=overrides,
-            storage_root=ns.storage,
-            tracking_uri=ns.tracking_uri,
-            eval_batches=DEMO_EVAL_BATCHES,
-        )
+        print(f"demo: pre-training {DEMO_RECIPE} for {cfg.training.steps} steps")
+        result = pretrain_pipeline(recipe=DEMO_RECIPE, overrides=values)
     else:
         from flows.retrain import retrain
 
@@ -90,14 +90,7 @@ def _demo(ns: argparse.Namespace, overrides: list[str]) -> int:
             f"demo: continuing from {latest['step_dir']} for {cfg.training.steps} more steps "
             "(promoted only if the eval loss improves)"
         )
-        result = retrain(
-            steps=cfg.training.steps,
-            experiment=cfg.job.experiment,
-            overrides=overrides,
-            storage_root=ns.storage,
-            tracking_uri=ns.tracking_uri,
-            eval_batches=DEMO_EVAL_BATCHES,
-        )
+        result = retrain(steps=cfg.training.steps, experiment=cfg.job.experiment, overrides=values)
     print(where_to_look(result, home))
     print("demo: run `make demo` again to continue training this model line")
     return 0

@@ -2,10 +2,12 @@
 
     titan pipeline deploy [--pool NAME] [--name DEPLOYMENT ...] [--prefect-file FILE]
 
-Checks that a Prefect server answers at ``PREFECT_API_URL``, creates the work pool when it is
-missing (a process pool unless ``--pool-type`` says otherwise), then runs ``prefect deploy`` from
-the project root so the entrypoints (``flows/*.py:flow``) resolve and process workers start their
-flow runs there.
+Checks the pipeline deployments' parameters against the config schema (the old ``module``,
+``storage_root``, ``tracking_uri``, ``eval_batches`` and CLI-token ``overrides`` are refused in one
+line naming the new key) and that a Prefect server answers at ``PREFECT_API_URL``, creates the
+work pool when it is missing (a process pool unless ``--pool-type`` says otherwise), then runs
+``prefect deploy`` from the project root so the entrypoints (``flows/*.py:flow``) resolve and
+process workers start their flow runs there.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from titan_core.errors import ConfigError, TitanError
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PREFECT_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
 DEFAULT_POOL = "titan-process"
+# Parameters the pipeline flows took before they took the typed config, and where they went.
+LEGACY_PARAMETERS = {
+    "module": "recipe (a recipe name, or family/recipe)",
+    "storage_root": "config.storage.root",
+    "tracking_uri": "config.tracking.uri",
+    "eval_batches": "config.evaluate.batches",
+}
+CONFIG_FLOWS = (":pretrain_pipeline", ":retrain")
 
 
 def _api_url() -> str:
@@ -54,6 +64,29 @@ def ensure_work_pool(name: str, pool_type: str = "process") -> bool:
             return True
 
 
+def check_parameters(prefect_file: Path) -> None:
+    """Check the parameters of the pipeline deployments in ``prefect_file`` against the config
+    schema; an old parameter or a bad key is one line naming the deployment and the new key."""
+    import yaml
+
+    from titan_core.config.form import flow_values
+    from titan_core.config.resolve import typed_values
+
+    spec = yaml.safe_load(prefect_file.read_text()) or {}
+    for entry in spec.get("deployments") or []:
+        if not str(entry.get("entrypoint", "")).endswith(CONFIG_FLOWS):
+            continue
+        where = f"{prefect_file.name}: deployment {entry.get('name')!r}"
+        params = entry.get("parameters") or {}
+        for key in params:
+            if key in LEGACY_PARAMETERS:
+                raise ConfigError(f"{where}: parameter {key} is gone; use {LEGACY_PARAMETERS[key]}")
+        try:
+            typed_values(flow_values(params.get("config"), params.get("overrides")))
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+
 def deploy(
     prefect_file: str | Path = DEFAULT_PREFECT_FILE,
     pool: str = "",
@@ -67,6 +100,7 @@ def deploy(
         raise ConfigError(
             f"--prefect-file: expected a prefect.yaml file, got {str(prefect_file)!r}"
         )
+    check_parameters(prefect_file)
     created = ensure_work_pool(pool or DEFAULT_POOL, pool_type)
     if created:
         print(f"created work pool {pool or DEFAULT_POOL!r} ({pool_type})")

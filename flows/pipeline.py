@@ -13,7 +13,8 @@ from typing import Any
 
 from prefect import flow
 
-from flows.config import resolve_job, run_config
+from flows.config import run_config
+from flows.naming import name_flow_run, run_tags
 from tasks.convert import convert_to_hf
 from tasks.data import (
     PreparedData,
@@ -33,8 +34,10 @@ from tasks.tokenizer import download_tokenizer, tokenizer_source
 from tasks.tracking import TrackingContext, end_pipeline_run
 from tasks.train import train, upload_run_files
 from titan_core import storage
+from titan_core.config.form import ConfigForm, flow_values
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import to_toml
+from titan_core.config.resolve import resolve_job
 
 
 def cached(task_fn: Any, valid: Callable[[Any], bool], **kwargs: Any) -> Any:
@@ -57,13 +60,14 @@ def train_and_publish(
     tracking: TrackingContext | None,
     *,
     seed_url: str,
-    eval_batches: int,
 ) -> dict[str, Any]:
     """Train the run's stored config, upload its files, export, evaluate and publish."""
     checkpoint = train_with_retries(cfg)(paths.config, seed_url, tracking)
     upload_run_files(paths.config)
     hf_url = convert_to_hf(checkpoint, paths.config, tracking=tracking)
-    evaluation = evaluate(checkpoint, paths.config, max_batches=eval_batches, tracking=tracking)
+    evaluation = evaluate(
+        checkpoint, paths.config, max_batches=cfg.evaluate.batches, tracking=tracking
+    )
     summary = publish(
         paths.run_root, checkpoint, hf_url, evaluation, tracking, cfg.tracking.registered_model
     )
@@ -81,10 +85,14 @@ def prepare_stage(cfg: JobConfig, paths: RunPaths, tokenizer_url: str) -> Prepar
 
 
 def run_tracked(
-    cfg: JobConfig, paths: RunPaths, body: Callable[[TrackingContext | None], dict[str, Any]]
+    cfg: JobConfig,
+    paths: RunPaths,
+    body: Callable[[TrackingContext | None], dict[str, Any]],
+    parent_run_id: str = "",
 ) -> dict[str, Any]:
-    """Open the parent MLflow run (if tracking is on), run ``body``, close it with its status."""
-    tracking = start_tracking(cfg, paths) if cfg.tracking.enable else None
+    """Open the pipeline's MLflow run (if tracking is on; nested under ``parent_run_id`` when
+    given), run ``body``, close it with its status."""
+    tracking = start_tracking(cfg, paths, parent_run_id) if cfg.tracking.enable else None
     try:
         result = body(tracking)
     except BaseException:
@@ -94,26 +102,35 @@ def run_tracked(
     return {**result, "mlflow_run_id": tracking.parent_run_id if tracking else ""}
 
 
-@flow(name="pretrain_pipeline")
+# validate_parameters=False: the parameters are checked by flow_values/resolve_job, whose errors
+# are one line naming the key (a deployment's server has checked them against the schema too).
+@flow(name="pretrain_pipeline", validate_parameters=False)
 def pretrain_pipeline(
-    module: str = "llama3",
-    config: str = "llama3_debugmodel",
+    recipe: str = "llama3_debugmodel",
+    config: ConfigForm | None = None,
+    overrides: dict[str, Any] | None = None,
     config_file: str = "",
-    overrides: list[str] | None = None,
-    storage_root: str = "",
-    tracking_uri: str = "",
     run_id: str = "",
-    eval_batches: int = 20,
+    parent_run_id: str = "",
 ) -> dict[str, Any]:
     """Pre-train a model from a config to a published, evaluated Hugging Face export.
 
-    ``module``/``config`` pick a registry recipe (give ``config_file`` alone with both empty),
-    ``overrides`` are ``--section.field value`` tokens, ``storage_root``/``tracking_uri`` replace
-    ``storage.root``/``tracking.uri``. ``run_id`` reuses a run root (resuming its training).
-    Returns the run's summary: URLs, metrics, MLflow run and model version.
+    Layers, later ones winning: the recipe, the TOML file, the fields set in ``config``, then
+    ``overrides``. Returns the run's summary: URLs, metrics, MLflow run and model version.
+
+    Args:
+        recipe: Registry recipe to start from (e.g. llama3_debugmodel, or family/recipe such as
+            qwen3/qwen3_debugmodel); empty starts from the defaults (with config_file).
+        config: Settings of the job, section by section; a field left empty keeps the recipe's
+            (or the config file's) value.
+        overrides: Dotted config keys to values, applied last, e.g. {"training.steps": 20}.
+        config_file: TOML job config (path or URL) applied onto the recipe.
+        run_id: Reuse this run root (resumes its training); empty starts a new run.
+        parent_run_id: MLflow run to nest this pipeline's run under (e.g. a sweep's run).
     """
-    cfg = resolve_job(module, config, config_file, overrides, storage_root, tracking_uri)
+    cfg = resolve_job(recipe, config_file, flow_values(config, overrides))
     paths = RunPaths(absolute(cfg.storage.root), cfg.job.experiment, run_id or new_run_id())
+    name_flow_run(f"{cfg.job.experiment}/{paths.run_id}", run_tags(cfg, recipe))
 
     def body(tracking: TrackingContext | None) -> dict[str, Any]:
         """The stages inside the parent MLflow run."""
@@ -139,9 +156,11 @@ def pretrain_pipeline(
             config_url=paths.config,
             identity=seed_identity(job, summary["model_args"]),
         )
-        result = train_and_publish(
-            job, paths, tracking, seed_url=seed_url, eval_batches=eval_batches
-        ) | {"tokenizer": tokenizer_url, "seed": seed_url, "preflight": summary}
+        result = train_and_publish(job, paths, tracking, seed_url=seed_url) | {
+            "tokenizer": tokenizer_url,
+            "seed": seed_url,
+            "preflight": summary,
+        }
         return result | (prepared.summary() if prepared else {})
 
-    return run_tracked(cfg, paths, body)
+    return run_tracked(cfg, paths, body, parent_run_id)

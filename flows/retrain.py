@@ -18,15 +18,18 @@ from typing import Any
 
 from prefect import flow
 
-from flows.config import resolve_job, run_config
+from flows.config import run_config
+from flows.naming import name_flow_run, run_tags
 from flows.pipeline import prepare_stage, run_tracked, train_and_publish
 from tasks.data import dataset_grew, train_on
 from tasks.preflight import preflight
 from tasks.runs import find_latest_checkpoint, prepare_storage
 from tasks.storage import RunPaths, absolute, configure_credentials, new_run_id
 from tasks.tracking import TrackingContext
+from titan_core.config.form import ConfigForm, flow_values
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import to_toml
+from titan_core.config.resolve import resolve_job
 
 
 def continued_config(
@@ -58,40 +61,51 @@ def continued_config(
     )
 
 
-@flow(name="retrain")
+# Parameters are checked by flow_values/resolve_job (one-line errors), as in pretrain_pipeline.
+@flow(name="retrain", validate_parameters=False)
 def retrain(
     steps: int = 100,
     experiment: str = "",
+    config: ConfigForm | None = None,
+    overrides: dict[str, Any] | None = None,
     config_file: str = "",
-    overrides: list[str] | None = None,
-    storage_root: str = "",
-    tracking_uri: str = "",
-    eval_batches: int = 20,
+    parent_run_id: str = "",
 ) -> dict[str, Any]:
     """Train ``steps`` more steps from the newest checkpoint of ``experiment``'s model line.
 
-    The previous run's ``config.toml`` is the base config (``config_file`` replaces it);
-    ``overrides`` apply on top. Returns the new run's summary (``champion`` says whether the
-    alias moved to its model version).
+    The previous run's ``config.toml`` is the base config (``config_file`` replaces it); the
+    fields set in ``config``, then ``overrides``, apply on top. Returns the new run's summary
+    (``champion`` says whether the alias moved to its model version).
+
+    Args:
+        steps: Steps to train past the newest checkpoint.
+        experiment: Model line to continue (<storage.root>/<experiment>/); empty uses
+            job.experiment of the config.
+        config: Settings changed for the new run, section by section (storage.root and
+            tracking.uri also say where the model line lives); empty fields keep the previous
+            run's values.
+        overrides: Dotted config keys to values, applied last, e.g. {"data.sources": [...]}.
+        config_file: TOML job config replacing the previous run's config.toml as the base.
+        parent_run_id: MLflow run to nest this run under.
     """
-    if steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         from titan_core.errors import ConfigError
 
-        raise ConfigError(f"retrain: steps: expected an int >= 1, got {steps}")
-    base = resolve_job(overrides=overrides, storage=storage_root, tracking_uri=tracking_uri)
+        raise ConfigError(f"retrain: steps: expected an int >= 1, got {steps!r}")
+    values = flow_values(config, overrides)
+    base = resolve_job("", "", values)
     root = absolute(base.storage.root)
     line = experiment or base.job.experiment
     configure_credentials(base.storage.credentials_block)
     latest = find_latest_checkpoint(root, line)
-    extra = ["--job.experiment", line, *(overrides or [])]
-    previous = resolve_job(config_file=latest["config_url"])
+    previous = resolve_job("", latest["config_url"])
     cfg = resolve_job(
-        config_file=config_file or latest["config_url"],
-        overrides=extra,
-        storage=storage_root or root,
-        tracking_uri=tracking_uri,
+        "",
+        config_file or latest["config_url"],
+        {**values, "storage.root": root, "job.experiment": line},
     )
     paths = RunPaths(absolute(cfg.storage.root), line, new_run_id())
+    name_flow_run(f"{line}/{paths.run_id}", [*run_tags(cfg), "retrain"])
 
     def body(tracking: TrackingContext | None) -> dict[str, Any]:
         """The stages inside the parent MLflow run."""
@@ -103,8 +117,8 @@ def retrain(
         grew = prepared is not None and dataset_grew(latest["run_root"], prepared)
         job = continued_config(job, latest, previous, steps, new_data=grew)
         preflight(to_toml(job), paths.config)
-        result = train_and_publish(job, paths, tracking, seed_url="", eval_batches=eval_batches)
+        result = train_and_publish(job, paths, tracking, seed_url="")
         extra = (prepared.summary() | {"dataset_grew": grew}) if prepared else {}
         return result | {"continued_from": latest["step_dir"], **extra}
 
-    return run_tracked(cfg, paths, body)
+    return run_tracked(cfg, paths, body, parent_run_id)

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from helpers import free_ports
 from s3_server import (
     _PORT_FLAGS,
     S3Server,
     _command,
-    _free_ports,
     _write_identities,
 )
 
@@ -45,6 +45,13 @@ def tiny_overrides(*, steps: int, nproc: int, interval: int = 2) -> list[str]:
         "0",
         "--storage.no_progress",
     ]
+
+
+def tiny_values(*, steps: int, nproc: int, interval: int = 2) -> dict[str, Any]:
+    """``tiny_overrides`` as the flows take them: dotted config keys to typed values."""
+    from titan_core.config.resolve import cli_values
+
+    return cli_values(tiny_overrides(steps=steps, nproc=nproc, interval=interval))
 
 
 def run_flow(flow_fn: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -170,7 +177,7 @@ def start_restartable_s3(workdir: Path, bucket: str = "restart-test") -> Restart
     workdir.mkdir(parents=True, exist_ok=True)
     admin = ("titan_admin", secrets.token_hex(16))
     _write_identities(workdir / "identities.json", admin, ("titan_reader", secrets.token_hex(16)))
-    ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
+    ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
     server = S3Server(
         endpoint_url=f"http://127.0.0.1:{ports['s3.port']}",
         access_key=admin[0],

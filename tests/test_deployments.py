@@ -8,6 +8,7 @@ registered by ``titan pipeline deploy`` and a process worker running their flow 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import re
@@ -24,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from pipeline_helpers import tiny_overrides
+from pipeline_helpers import tiny_values
 from pipeline_servers import (
     BIN,
     MlflowServer,
@@ -37,6 +38,7 @@ from tracking_data import log_pipeline_run
 
 from flows.deploy import DEFAULT_POOL
 from titan_core.checkpoint.manager import complete_steps
+from titan_core.config.job import JobConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
@@ -164,7 +166,7 @@ def test_compare_deployment_with_tracking_server(stack: Stack, s3_server: Any) -
         for name, args in variants.items()
     }
     flow_run_id = _run_deployment(
-        stack, "compare/compare", {"experiment": EXPERIMENT, "tracking_uri": uri}
+        stack, "compare/compare", {"experiment": EXPERIMENT, "tracking_uri": uri, "log": True}
     )
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -176,6 +178,7 @@ def test_compare_deployment_with_tracking_server(stack: Stack, s3_server: Any) -
     table = json.loads(artifacts["table"].data)
     assert sorted(row["run_id"] for row in table) == sorted(r[0] for r in runs.values())
     assert "`optimizer.lr`" in artifacts["markdown"].data
+    assert "![loss curves](data:image/png;base64," in artifacts["markdown"].data  # renders as is
     # The plot went through the tracking server into S3, and its link serves the PNG.
     with urllib.request.urlopen(artifacts["image"].data, timeout=30) as resp:
         assert resp.read()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -228,13 +231,24 @@ LINE = "deployline"
 STEPS = 2
 
 
-def _line_params(stack: Stack) -> dict[str, Any]:
-    """Where the deployed model line lives: S3 storage, MLflow on the tracking server."""
+def _line_config(stack: Stack) -> dict[str, Any]:
+    """Where the deployed model line lives (S3 storage, MLflow on the tracking server) and its
+    eval, as the flows' typed ``config`` parameter."""
     return {
-        "storage_root": stack.store,
-        "tracking_uri": stack.mlflow.uri,
-        "eval_batches": 2,
+        "storage": {"root": stack.store},
+        "tracking": {"uri": stack.mlflow.uri},
+        "evaluate": {"batches": 2},
+        "job": {"experiment": LINE},
     }
+
+
+def _nested(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Dotted keys as the ``config`` form's sections."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        section, name = key.split(".")
+        out.setdefault(section, {})[name] = value
+    return out
 
 
 def _runs_of(stack: Stack, deployment: str) -> list[Any]:
@@ -247,11 +261,96 @@ def _runs_of(stack: Stack, deployment: str) -> list[Any]:
         )
 
 
+def test_pipeline_parameters_are_the_config_form(stack: Stack) -> None:
+    """The deployed schema has every section and field of the config, typed, with its
+    docstring and engine default as help and no default that would overwrite the recipe."""
+    with api(stack.prefect) as client:
+        dep = client.read_deployment_by_name("pretrain_pipeline/pretrain")
+    assert dep.enforce_parameter_schema
+    assert dep.parameters == {"recipe": "llama3_debugmodel", "config": {}, "overrides": {}}
+    schema = dep.parameter_openapi_schema
+    params = schema["properties"]
+    assert list(params) == ["recipe", "config", "overrides", "config_file", "run_id",
+                            "parent_run_id"]  # fmt: skip
+    assert all(p.get("description") for p in params.values())
+    defs = schema["definitions"]
+    form = defs[params["config"]["anyOf"][0]["$ref"].rsplit("/", 1)[-1]]
+    for section in dataclasses.fields(JobConfig):
+        ref = form["properties"][section.name]["$ref"].rsplit("/", 1)[-1]
+        fields = defs[ref]["properties"]
+        names = [f.name for f in dataclasses.fields(section.default_factory())]  # type: ignore[misc]
+        assert list(fields) == names, section.name
+        for name, field in fields.items():
+            assert "Default: " in field["description"] and field["default"] is None, name
+            assert {"type": "null"} in field["anyOf"] and len(field["examples"]) == 1, name
+    assert list(form["properties"]) == [f.name for f in dataclasses.fields(JobConfig)]
+    steps = defs["TrainingForm"]["properties"]["steps"]
+    assert steps["anyOf"][0] == {"type": "integer"} and steps["examples"] == [100]
+    assert steps["description"] == (
+        "Optimizer steps to train for (the total, counting steps done before a resume). "
+        "Default: 100."
+    )
+    name = defs["OptimizerForm"]["properties"]["name"]
+    assert name["anyOf"][0] == {"enum": ["AdamW", "Adam"], "type": "string"}
+    batches = defs["EvaluateForm"]["properties"]["batches"]
+    assert "0 = the whole split" in batches["description"] and batches["examples"] == [20]
+    assert defs["TrainingForm"]["additionalProperties"] is False  # unknown fields: refused
+
+
+def test_server_refuses_invalid_parameters_before_a_flow_run(stack: Stack) -> None:
+    """A wrong type, an unknown field and the old parameter shapes (a recipe name in
+    ``config``, CLI tokens in ``overrides``) are refused by the server: no flow run starts."""
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    before = _runs_of(stack, "pretrain_pipeline/pretrain")
+    bad = {
+        "config.training.steps": {"config": {"training": {"steps": "many"}}},
+        "config.training": {"config": {"training": {"stepz": 4}}},
+        "config.optimizer.name": {"config": {"optimizer": {"name": "SGD"}}},
+        "config": {"config": "llama3_debugmodel_tiny"},
+        "overrides": {"overrides": ["--training.steps", "4"]},
+    }
+    with api(stack.prefect) as client:
+        dep = client.read_deployment_by_name("pretrain_pipeline/pretrain")
+        for field, params in bad.items():
+            with pytest.raises(PrefectHTTPStatusError) as refused:
+                client.create_flow_run_from_deployment(dep.id, parameters=params)
+            message = refused.value.response.json()["detail"]
+            assert refused.value.response.status_code == 409, message
+            assert f"Validation failed for field '{field}'" in message, message
+    assert len(_runs_of(stack, "pretrain_pipeline/pretrain")) == len(before)
+
+
+def test_deploy_refuses_old_pipeline_parameters_in_one_line(stack: Stack) -> None:
+    """A prefect.yaml written for the old parameters names the new key, and deploys nothing."""
+    old = yaml.safe_load(PREFECT_FILE.read_text())
+    (entry,) = [d for d in old["deployments"] if d["name"] == "pretrain"]
+    entry["name"] = "pretrain-old"
+    entry["parameters"] = {"config": "llama3_debugmodel", "storage_root": "s3://bucket/runs"}
+    old["deployments"] = [entry]
+    path = stack.work / "old-prefect.yaml"
+    path.write_text(yaml.safe_dump(old))
+    cmd = [str(BIN / "titan"), "pipeline", "deploy", "--prefect-file", str(path)]
+    proc = subprocess.run(
+        cmd, cwd=stack.work, env=stack.prefect.env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (
+        "error: old-prefect.yaml: deployment 'pretrain-old': parameter storage_root is gone; "
+        "use config.storage.root\n"
+    )
+    with api(stack.prefect) as client:
+        assert "pretrain-old" not in {d.name for d in client.read_deployments()}
+
+
 @pytest.fixture(scope="module")
 def pretrained(stack: Stack) -> dict[str, Any]:
-    """The pipeline deployment, triggered from the CLI: a 2-step run of the tiny model."""
-    overrides = [*tiny_overrides(steps=STEPS, nproc=1), "--job.experiment", LINE]
-    params = {"config": "llama3_debugmodel_tiny", "overrides": overrides, **_line_params(stack)}
+    """The pipeline deployment, triggered from the CLI with typed parameters only: a 2-step run
+    of the tiny model (whose recipe trains 20 steps)."""
+    config = _nested(tiny_values(steps=STEPS, nproc=1))
+    for section, fields in _line_config(stack).items():
+        config.setdefault(section, {}).update(fields)
+    params = {"recipe": "llama3_debugmodel_tiny", "config": config}
     flow_run_id = _run_deployment(stack, "pretrain_pipeline/pretrain", params)
     (run_root,) = _line_runs(stack)
     return {"flow_run_id": flow_run_id, "run_root": run_root}
@@ -281,7 +380,12 @@ def test_pipeline_deployment_runs_to_completion(stack: Stack, pretrained: dict) 
     names = {t.name.rsplit("-", 1)[0] for t in tasks}
     assert {"train", "convert_to_hf", "evaluate", "publish"} <= names
     assert all(t.state.is_completed() for t in tasks), [(t.name, t.state.name) for t in tasks]
+    # The typed training.steps (the recipe says 20) and evaluate.batches ran.
     assert _newest_step(stack, pretrained["run_root"]) == STEPS
+    toml = stack.s3.filesystem().cat(f"{pretrained['run_root']}/config.toml").decode()
+    config = tomllib.loads(toml)
+    assert config["training"]["steps"] == STEPS and config["evaluate"]["batches"] == 2
+    assert config["storage"]["root"] == stack.store
     # Tracked on the server: a finished parent run and a registered model version.
     mlflow = MlflowClient(stack.mlflow.uri)
     exp = mlflow.get_experiment_by_name(LINE)
@@ -296,7 +400,7 @@ def retrained(stack: Stack, pretrained: dict) -> Any:
     from prefect.client.schemas.actions import DeploymentScheduleCreate
     from prefect.client.schemas.schedules import IntervalSchedule
 
-    params = {"steps": STEPS, "experiment": LINE, **_line_params(stack)}
+    params = {"steps": STEPS, "experiment": LINE, "config": _line_config(stack)}
     now = datetime.datetime.now(datetime.UTC)
     schedule = IntervalSchedule(interval=datetime.timedelta(seconds=60), anchor_date=now)
     with api(stack.prefect) as client:

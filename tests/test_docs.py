@@ -200,7 +200,7 @@ def test_documented_pipeline_runs_on_slurm_resolve(
 ) -> None:
     """`titan pipeline run` lines of the multi-node docs (pipeline.md's: test_pipeline_edges)."""
     from flows.cli import build_parser, flow_kwargs
-    from flows.config import resolve_job
+    from titan_core.config.resolve import resolve_job
 
     _setup(tmp_path, monkeypatch)
     lines = [
@@ -214,7 +214,7 @@ def test_documented_pipeline_runs_on_slurm_resolve(
     for line in lines:
         ns, rest = build_parser().parse_known_args(shlex.split(line)[2:])
         kwargs = flow_kwargs(ns, rest)
-        args = [kwargs[k] for k in ("module", "config", "config_file", "overrides")]
+        args = [kwargs[k] for k in ("recipe", "config_file", "overrides")]
         assert resolve_job(*args).launch.backend == "slurm", line
 
 

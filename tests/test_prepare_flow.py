@@ -212,11 +212,9 @@ def test_bad_input_fails_the_stage_once_with_one_line(
 def test_retrain_drops_the_data_position_only_when_the_dataset_grew(tmp_path: Path) -> None:
     import dataclasses
 
-    from pipeline_helpers import TINY
-
-    from flows.config import resolve_job
     from flows.retrain import continued_config
     from tasks.data import dataset_grew, record_dataset
+    from titan_core.config.resolve import resolve_job
 
     prepared = PreparedData(
         url=str(tmp_path / "data" / "0123456789abcdef"),
@@ -233,7 +231,7 @@ def test_retrain_drops_the_data_position_only_when_the_dataset_grew(tmp_path: Pa
     assert not dataset_grew(run_root, prepared)
     assert dataset_grew(run_root, grown)
     assert not dataset_grew(run_root, dataclasses.replace(grown, url=str(tmp_path / "other")))
-    cfg = resolve_job(*TINY[1::2], overrides=["--training.dataset", prepared.url])
+    cfg = resolve_job("llama3_debugmodel_tiny", "", {"training.dataset": prepared.url})
     latest = {"model_only": False, "step": 6, "step_dir": f"{run_root}/checkpoint/step-6"}
     same = continued_config(cfg, latest, cfg, 2)
     assert "dataloader" not in same.checkpoint.exclude_from_loading and same.training.steps == 8

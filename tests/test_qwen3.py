@@ -199,7 +199,7 @@ def test_pipeline_trains_and_registers_a_qwen3_export(
     debugmodel is minutes of CPU): completes, registers the HF export in MLflow, and the export
     is a folder of the family's architecture."""
     from mlflow.tracking import MlflowClient
-    from pipeline_helpers import run_flow, tiny_overrides
+    from pipeline_helpers import run_flow, tiny_values
 
     from flows.pipeline import pretrain_pipeline
 
@@ -207,12 +207,10 @@ def test_pipeline_trains_and_registers_a_qwen3_export(
     experiment = f"{module}line"
     state, _ = run_flow(
         pretrain_pipeline,
-        module=module,
-        config=f"{module}_debugmodel_tiny",
-        overrides=[*tiny_overrides(steps=2, nproc=1), "--job.experiment", experiment],
-        storage_root=str(tmp_path / "runs"),
-        tracking_uri=tracking,
-        eval_batches=2,
+        recipe=f"{module}/{module}_debugmodel_tiny",
+        config={"job": {"experiment": experiment}, "evaluate": {"batches": 2}},
+        overrides=tiny_values(steps=2, nproc=1)
+        | {"storage.root": str(tmp_path / "runs"), "tracking.uri": tracking},
     )
     assert state.is_completed(), state.message
     result = state.result()

@@ -10,13 +10,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 from parallel_harness import assert_parity, train_layout
-from pipeline_helpers import TINY, run_flow, task_runs, tiny_overrides
+from pipeline_helpers import TINY, run_flow, task_runs, tiny_values
 from slurm_cluster import SlurmCluster, start_cluster, unavailable
 
 from titan_core.config.job import Launch
@@ -134,10 +134,12 @@ def test_interrupted_caller_cancels_its_job(cluster: SlurmCluster, tmp_path: Pat
     rest, _ = driver.communicate(timeout=120)
     assert driver.returncode == 128 + signal.SIGTERM, out + rest
     assert f"titan: cancelled Slurm job {job}" in rest
-    deadline = time.monotonic() + 60
-    while cluster.run("squeue", "-h", "-j", job, check=False).stdout.strip():
-        assert time.monotonic() < deadline, f"job {job} still queued after its caller stopped"
-        time.sleep(0.5)
+    wait_until(
+        lambda: not cluster.run("squeue", "-h", "-j", job, check=False).stdout.strip(),
+        timeout=60,
+        what=f"job {job} gone from the queue after its caller stopped",
+        interval=0.5,
+    )
     assert _job_state(cluster, job) == "CANCELLED"
 
 
@@ -148,18 +150,11 @@ def test_pipeline_trains_on_slurm(
 
     from flows.pipeline import pretrain_pipeline
 
-    overrides = tiny_overrides(steps=4, nproc=1)
-    overrides += ["--launch.backend", "slurm", "--launch.nnodes", "2"]
-    overrides += ["--launch.slurm_poll_seconds", "1", "--launch.slurm_time_limit", "10"]
-    state, flow_run_id = run_flow(
-        pretrain_pipeline,
-        module=TINY[1],
-        config=TINY[3],
-        overrides=overrides,
-        storage_root=str(tmp_path / "runs"),
-        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
-        eval_batches=1,
-    )
+    overrides = tiny_values(steps=4, nproc=1) | {"launch.backend": "slurm", "launch.nnodes": 2}
+    overrides |= {"launch.slurm_poll_seconds": 1, "launch.slurm_time_limit": "10"}
+    overrides |= {"storage.root": str(tmp_path / "runs"), "evaluate.batches": 1}
+    overrides["tracking.uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    state, flow_run_id = run_flow(pretrain_pipeline, recipe=TINY[3], overrides=overrides)
     assert state.is_completed(), state.message
     runs = task_runs(flow_run_id)
     assert [r.state.type.value for r in runs["train"]] == ["COMPLETED"]

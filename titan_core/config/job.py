@@ -558,6 +558,22 @@ class Validation:
 
 
 @dataclass(kw_only=True)
+class Evaluate:
+    """The pipeline's evaluation of the trained checkpoint (``titan eval`` takes flags)."""
+
+    batches: int = 20
+    """Held-out batches scored by the pipeline's evaluate stage; 0 = the whole split."""
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.batches, int) and self.batches >= 0,
+            "evaluate.batches",
+            "an int >= 0 (0 = all)",
+            self.batches,
+        )
+
+
+@dataclass(kw_only=True)
 class Debug:
     """Reproducibility and debugging switches."""
 
@@ -756,6 +772,8 @@ class JobConfig:
     """Metrics logging."""
     validation: Validation = field(default_factory=Validation)
     """Validation loss."""
+    evaluate: Evaluate = field(default_factory=Evaluate)
+    """The pipeline's evaluation."""
     debug: Debug = field(default_factory=Debug)
     """Seeds and determinism."""
     launch: Launch = field(default_factory=Launch)

@@ -1,0 +1,142 @@
+"""The typed doors of the config: ``ConfigForm`` (flow parameters, the Prefect UI form) and
+``resolve_job`` (recipe < TOML file < dotted-key values), with the CLI's type checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from titan_core.config.form import (
+    ConfigForm,
+    attribute_docstrings,
+    flow_values,
+    form_to_values,
+)
+from titan_core.config.job import JobConfig, Training
+from titan_core.config.manager import _schema, parse_args, to_dict
+from titan_core.config.resolve import cli_values, resolve_job
+from titan_core.errors import ConfigError
+
+
+def test_form_has_every_section_and_field_with_help_and_no_default() -> None:
+    schema = ConfigForm.model_json_schema()
+    keys = []
+    for section, ref in schema["properties"].items():
+        fields = schema["$defs"][ref["$ref"].rsplit("/", 1)[-1]]["properties"]
+        for name, field in fields.items():
+            keys.append(f"{section}.{name}")
+            assert field["default"] is None and field["description"].endswith("."), name
+    assert keys == list(_schema(JobConfig))
+    docs = attribute_docstrings(Training)
+    steps = schema["$defs"]["TrainingForm"]["properties"]["steps"]
+    assert steps["description"] == docs["steps"] + " Default: 100."
+    mix = schema["$defs"]["TrainingForm"]["properties"]["dataset_mix"]
+    assert mix["anyOf"][0] == {"items": {"type": "string"}, "type": "array"}
+    assert mix["examples"] == [[]] and "Default: []." in mix["description"]
+
+
+def test_form_to_values_gives_only_the_fields_set() -> None:
+    assert form_to_values(None) == {} and form_to_values(ConfigForm()) == {}
+    form = ConfigForm.model_validate(
+        {"training": {"steps": 4, "max_norm": 2}, "validation": {"enable": False}}
+    )
+    assert form_to_values(form) == {
+        "training.steps": 4,
+        "training.max_norm": 2.0,
+        "validation.enable": False,
+    }
+
+
+@pytest.mark.parametrize(
+    "config, overrides, expected",
+    [
+        ({"training": {"steps": "4"}}, None, "config.training.steps: input should be a valid "
+         "integer, got '4'"),
+        ({"validation": {"enable": 1}}, None, "config.validation.enable: input should be a "
+         "valid boolean, got 1"),
+        ({"trainin": {"steps": 4}}, None, "config.trainin: no such section or field of the "
+         "job config"),
+        ({"optimizer": {"name": "SGD"}}, None, "config.optimizer.name: input should be 'AdamW' "
+         "or 'Adam', got 'SGD'"),
+        ("llama3_debugmodel", None, "config: expected the job's settings by section (e.g. "
+         "{'training': {'steps': 20}}), got 'llama3_debugmodel'; a recipe name goes in the "
+         "recipe parameter"),
+        (None, ["--training.steps", "4"], "overrides: expected a mapping of dotted config keys "
+         "to values (e.g. {\"training.steps\": 20}), got ['--training.steps', '4']"),
+    ],
+)  # fmt: skip
+def test_flow_parameters_errors_are_one_line(
+    config: object, overrides: object, expected: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        flow_values(config, overrides)  # type: ignore[arg-type]
+    assert str(err.value) == expected
+
+
+def test_layers_recipe_file_form_then_overrides(tmp_path: Path) -> None:
+    toml = tmp_path / "job.toml"
+    toml.write_text("[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.01\n")
+    values = flow_values(
+        {"training": {"steps": 9, "seq_len": None}, "optimizer": {"lr": 0.02}},
+        {"training.steps": 11},
+    )
+    cfg = resolve_job("llama3_debugmodel_tiny", str(toml), values)
+    assert (cfg.training.steps, cfg.training.seq_len, cfg.optimizer.lr) == (11, 64, 0.02)
+    assert cfg.model.flavor == "debugmodel_tiny" and cfg.job.config_file == str(toml)
+    argv = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
+    argv += ["--job.config_file", str(toml), "--training.steps", "11", "--optimizer.lr", "0.02"]
+    assert to_dict(cfg) == to_dict(parse_args(argv))  # the CLI door resolves the same config
+
+
+def test_recipes_by_name_or_family() -> None:
+    assert resolve_job("qwen3_debugmodel_tiny").model.name == "qwen3"
+    assert resolve_job("qwen3/qwen3_debugmodel_tiny").model.flavor == "debugmodel_tiny"
+    assert resolve_job().model.flavor == JobConfig().model.flavor  # no recipe: the defaults
+    with pytest.raises(ConfigError) as err:
+        resolve_job("llama3_debugmodl")
+    assert str(err.value) == (
+        "recipe 'llama3_debugmodl': no such registry recipe; did you mean llama3_debugmodel or "
+        "llama3_debugmodel_tiny or qwen3_debugmodel?"
+    )
+    with pytest.raises(ConfigError, match=r"^recipe 'qwen3/llama3_8b': .* llama3/llama3_8b"):
+        resolve_job("qwen3/llama3_8b")
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ({"training.stepz": 4}, "training.stepz: unknown config key; did you mean training.steps"),
+        ({"training.steps": "4"}, "training.steps: expected an int, got '4'"),
+        ({"training.steps": True}, "training.steps: expected an int, got True"),
+        ({"training.steps": 0}, "training.steps: expected an int > 0, got 0"),
+        ({"evaluate.batches": -1}, "evaluate.batches: expected an int >= 0 (0 = all), got -1"),
+        ({"compile.components": ["graph"]}, "compile.components: expected a list of values, "
+         "each one of 'model', 'loss', got ['graph']"),
+    ],
+)  # fmt: skip
+def test_bad_values_are_one_line_errors(values: dict, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        resolve_job("llama3_debugmodel_tiny", "", values)
+    assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+
+
+def test_cli_tokens_become_typed_values() -> None:
+    argv = ["--training.steps", "4", "--validation.no_enable", "--data.sources", "a,b"]
+    argv += ["--optimizer.lr=1e-3", "--evaluate.batches", "0"]
+    assert cli_values(argv) == {
+        "training.steps": 4,
+        "validation.enable": False,
+        "data.sources": ["a", "b"],
+        "optimizer.lr": 1e-3,
+        "evaluate.batches": 0,
+    }
+
+
+def test_evaluate_section_defaults_and_round_trips(tmp_path: Path) -> None:
+    assert [f.name for f in dataclasses.fields(JobConfig)].index("evaluate") > 0
+    assert resolve_job().evaluate.batches == 20
+    toml = tmp_path / "eval.toml"
+    toml.write_text("[evaluate]\nbatches = 0\n")
+    assert resolve_job("", str(toml)).evaluate.batches == 0

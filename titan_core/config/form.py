@@ -1,0 +1,138 @@
+"""``ConfigForm``: a typed partial of ``JobConfig`` for Prefect flow parameters (and their UI form).
+
+One pydantic model per section, generated from the dataclasses of ``job.py``: every field is
+optional with default ``None`` ("unset keeps the recipe's value"), typed as in the dataclass,
+and described by its docstring plus the engine default. No field carries a schema ``default``:
+the Prefect UI pre-fills and submits defaults, which would overwrite the recipe's values. The
+engine default is in the description ("Default: 100.") and in ``examples``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import itertools
+import json
+import textwrap
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from titan_core.config.job import JobConfig
+from titan_core.errors import ConfigError
+
+# Strict: "4" is no int and 1 no bool, as on the command line and in TOML (ints pass as floats).
+_SECTION_CONFIG = ConfigDict(extra="forbid", strict=True)
+
+
+def attribute_docstrings(cls: type) -> dict[str, str]:
+    """The docstrings under the fields of dataclass ``cls`` (the string literal after each
+    annotated field), whitespace collapsed to single spaces."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    """The engine default of a dataclass field."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _section_form(section: str, cls: type) -> type[BaseModel]:
+    """The form of one section: each field optional, described, engine default in examples."""
+    hints = typing.get_type_hints(cls)
+    docs = attribute_docstrings(cls)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        default = _default(f)
+        assert f.name in docs, f"{section}.{f.name} has no docstring"
+        help_text = f"{docs[f.name]} Default: {json.dumps(default)}."
+        field = Field(default=None, description=help_text, examples=[default])
+        fields[f.name] = (hints[f.name] | None, field)
+    return create_model(  # type: ignore[call-overload,no-any-return]
+        f"{cls.__name__}Form", __config__=_SECTION_CONFIG, __doc__=cls.__doc__, **fields
+    )
+
+
+@functools.cache
+def build_config_form(config_cls: type = JobConfig) -> type[BaseModel]:
+    """The ``ConfigForm`` model of ``config_cls``: one optional nested form per section."""
+    hints = typing.get_type_hints(config_cls)
+    docs = attribute_docstrings(config_cls)
+    sections: dict[str, Any] = {}
+    for f in dataclasses.fields(config_cls):
+        form = _section_form(f.name, hints[f.name])
+        description = f"[{f.name}] {docs.get(f.name, '')}".strip()
+        sections[f.name] = (form, Field(default_factory=form, description=description))
+    return create_model(  # type: ignore[call-overload,no-any-return]
+        "ConfigForm",
+        __config__=ConfigDict(extra="forbid"),
+        __doc__="Settings of the job; a field left empty keeps the recipe's value.",
+        __module__=__name__,
+        **sections,
+    )
+
+
+ConfigForm = build_config_form()
+
+
+def form_to_values(form: BaseModel | None) -> dict[str, Any]:
+    """The dotted keys ``form`` sets (fields not ``None``), in schema order."""
+    if form is None:
+        return {}
+    values: dict[str, Any] = {}
+    for section in type(form).model_fields:
+        part = getattr(form, section)
+        for name in type(part).model_fields:
+            value = getattr(part, name)
+            if value is not None:
+                values[f"{section}.{name}"] = value
+    return values
+
+
+def as_form(config: Any) -> BaseModel | None:
+    """``config`` as a ``ConfigForm`` (a mapping is validated); one-line ``ConfigError`` naming
+    the first bad field."""
+    if config is None or isinstance(config, ConfigForm):
+        return config
+    if isinstance(config, str):
+        raise ConfigError(
+            "config: expected the job's settings by section (e.g. {'training': {'steps': 20}}), "
+            f"got {config!r}; a recipe name goes in the recipe parameter"
+        )
+    try:
+        return ConfigForm.model_validate(config)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(part) for part in ("config", *first["loc"]))
+        if first["type"] == "extra_forbidden":
+            raise ConfigError(f"{where}: no such section or field of the job config") from None
+        message = first["msg"][:1].lower() + first["msg"][1:]
+        raise ConfigError(f"{where}: {message}, got {first['input']!r}") from None
+
+
+def flow_values(config: Any, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The dotted-key values a flow's ``config`` form and ``overrides`` mapping set (overrides
+    win); lists of CLI tokens (the old ``overrides`` shape) are refused in one line."""
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ConfigError(
+            "overrides: expected a mapping of dotted config keys to values "
+            f'(e.g. {{"training.steps": 20}}), got {overrides!r}'
+        )
+    return form_to_values(as_form(config)) | dict(overrides or {})
