@@ -1,6 +1,11 @@
 """``titan compare``: run the ``compare`` flow and print its table.
 
     titan compare --experiment NAME [--runs ID_OR_NAME ...] [--tracking-uri URI] [--max-runs N]
+                  [--log | --parent-run-id RUN_ID] [--json]
+
+It prints the table; ``--log`` also records the comparison (loss-curve PNG, markdown with the
+image embedded, JSON) as an MLflow run of the experiment, ``--parent-run-id`` nests that run
+under another. Without either, MLflow is only read.
 
 Prefect is imported only after its environment is prepared (as for ``titan pipeline``): a
 project-local ``PREFECT_HOME`` unless one is set, analytics off.
@@ -41,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         help="MLflow URI (default: $MLFLOW_TRACKING_URI, else ./outputs)",
     )
     parser.add_argument("--max-runs", type=int, default=10, help="newest runs when --runs absent")
+    parser.add_argument(
+        "--log", action="store_true", help="record the comparison as an MLflow run (compare-*)"
+    )
+    parser.add_argument(
+        "--parent-run-id", default="", help="record it nested under this MLflow run (implies --log)"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     ns = parser.parse_args(argv)
     from flows.cli import prepare_prefect_env
@@ -55,15 +66,18 @@ def main(argv: list[str] | None = None) -> int:
         _preflight(ns.experiment, uri)
         from flows.compare import compare
 
-        result = compare(ns.experiment, ns.runs or None, uri, ns.max_runs)
+        result = compare(ns.experiment, ns.runs or None, uri, ns.max_runs, ns.log, ns.parent_run_id)
     except TitanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if ns.json:
         print(json.dumps(result, indent=2))
-    else:
-        print(result["markdown"])
+        return 0
+    print(result["table_markdown"])  # the image is in the Prefect artifact (and MLflow's, logged)
+    if result["compare_run_id"]:
         print(f"MLflow: run {result['compare_run_id']} in {result['tracking_uri']}")
+    else:
+        print("Not recorded in MLflow (--log records it).")
     return 0
 
 

@@ -1,13 +1,17 @@
 """Compare MLflow runs of one experiment: a summary table, the config keys that differ, loss curves.
 
 ``compare_experiment`` is plain MLflow (usable without Prefect); the ``compare_runs`` task wraps
-it and publishes the result as Prefect table, markdown and image artifacts. The comparison itself
-is logged as an MLflow run of the same experiment (tag ``titan.stage=compare``, never compared):
-``loss_curves.png``, ``comparison.md`` and ``comparison.json``.
+it and publishes the result as Prefect table and markdown artifacts. The markdown embeds the
+loss-curve PNG as a ``data:`` URI, so it renders in the Prefect UI and MLflow's artifact viewer.
+Only when asked (``log``) or nested under a given run (``parent_run_id``, e.g. a sweep's) is the
+comparison logged as an MLflow run (tag ``titan.stage=compare``, never compared itself):
+``loss_curves.png``, ``comparison.md`` and ``comparison.json``; a plain ``titan compare`` leaves
+the experiment as it was.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -24,9 +28,13 @@ from tasks.common import retry_transient
 from tasks.tracking import STAGE_TAG, check_tracking, resolve_tracking_uri
 from titan_core.config.job import JobConfig
 from titan_core.errors import ConfigError
+from titan_core.pipeline.report import markdown_image
 
-# Metric names as logged by the trainer's MetricsProcessor (train stage) and the eval stage.
-LOSS_KEY, TPS_KEY, MFU_KEY, PERPLEXITY_KEY = "loss", "tps", "mfu_pct", "eval/perplexity"
+# Metric names on MLflow (the train stage run and the pipeline run alike; the eval stage).
+LOSS_KEY, TPS_KEY, MFU_KEY = "train/loss", "train/tps", "train/mfu_pct"
+PERPLEXITY_KEY = "eval/perplexity"
+# Runs logged before the train/ prefix called the train stage's metrics by their bare names.
+_LEGACY = {LOSS_KEY: "loss", TPS_KEY: "tps", MFU_KEY: "mfu_pct"}
 COMPARE_STAGE = "compare"  # runs tagged titan.stage=compare are this module's own output
 PARENT_TAG = "mlflow.parentRunId"
 PLOT_NAME = "loss_curves.png"
@@ -70,8 +78,13 @@ class Comparison:
     runs: list[dict[str, Any]]
     differing_params: dict[str, dict[str, str | None]]
     compare_run_id: str
+    """The MLflow run the comparison was logged to; "" when it was not logged."""
     plot_uri: str
+    """The logged PNG's artifact URL (the server's download route over HTTP); "" unlogged."""
     markdown: str
+    """The comparison with the loss curves embedded (a ``data:`` URI)."""
+    table_markdown: str = ""
+    """The same without the image, for a terminal."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data."""
@@ -99,6 +112,21 @@ def _metric_owners(client: Any, run: Any) -> list[Any]:
     return [run, *sorted(children, key=lambda r: r.info.start_time or 0)]
 
 
+def _longest_history(client: Any, owners: list[Any], key: str) -> list[tuple[int, float]]:
+    """``key``'s per-step values from the owner that logged most of them (the train stage run
+    has every step; the pipeline run only the final value), step-ordered; legacy name too."""
+    best: list[tuple[int, float]] = []
+    for name in (key, _LEGACY.get(key)):
+        for owner in owners:
+            if name and name in owner.data.metrics:
+                history = client.get_metric_history(owner.info.run_id, name)
+                curve = sorted({m.step: m.value for m in history}.items())
+                best = curve if len(curve) > len(best) else best
+        if best:
+            return best
+    return best
+
+
 def summarize_run(client: Any, run: Any) -> RunSummary:
     """Collect one run's final loss, eval perplexity, throughput, MFU, params and loss curve."""
     summary = RunSummary(
@@ -107,20 +135,15 @@ def summarize_run(client: Any, run: Any) -> RunSummary:
     owners = _metric_owners(client, run)
     for owner in reversed(owners):  # the parent's params win over a stage's
         summary.params.update(owner.data.params)
+    if curve := _longest_history(client, owners, LOSS_KEY):
+        summary.loss_curve = curve
+        summary.final_loss, summary.steps = curve[-1][1], curve[-1][0]
+    for attr, key in (("tokens_per_s", TPS_KEY), ("mfu_pct", MFU_KEY)):
+        if rates := _longest_history(client, owners, key):
+            setattr(summary, attr, _steady([v for _, v in rates]))
     for owner in owners:
-        metrics, owner_id = owner.data.metrics, owner.info.run_id
-        if LOSS_KEY in metrics and not summary.loss_curve:
-            history = client.get_metric_history(owner_id, LOSS_KEY)
-            curve = sorted({m.step: m.value for m in history}.items())
-            summary.loss_curve = curve
-            summary.final_loss, summary.steps = curve[-1][1], curve[-1][0]
-        for attr, key in (("tokens_per_s", TPS_KEY), ("mfu_pct", MFU_KEY)):
-            if key in metrics and getattr(summary, attr) is None:
-                history = client.get_metric_history(owner_id, key)
-                ordered = [m.value for m in sorted(history, key=lambda m: m.step)]
-                setattr(summary, attr, _steady(ordered))
-        if PERPLEXITY_KEY in metrics and summary.eval_perplexity is None:
-            summary.eval_perplexity = metrics[PERPLEXITY_KEY]
+        if PERPLEXITY_KEY in owner.data.metrics and summary.eval_perplexity is None:
+            summary.eval_perplexity = owner.data.metrics[PERPLEXITY_KEY]
     return summary
 
 
@@ -198,7 +221,8 @@ def _fmt(value: Any) -> str:
 def render_markdown(
     experiment: str, runs: list[RunSummary], diff: dict[str, dict[str, str | None]], plot: str
 ) -> str:
-    """The comparison for people: headline table, differing config keys, the loss-curve image."""
+    """The comparison for people: headline table, differing config keys, the loss curves (a
+    markdown image: ``titan_core.pipeline.report.markdown_image``, or "" for none)."""
     head = ["run", "run_id", "status", "steps", "final_loss", "eval_perplexity"]
     head += ["tokens_per_s", "mfu_pct"]
     lines = [f"# Comparison of {len(runs)} runs in `{experiment}`", ""]
@@ -216,8 +240,9 @@ def render_markdown(
             lines.append(f"| `{key}` | " + " | ".join(cells) + " |")
     else:
         lines.append("None: every run has the same config.")
-    lines += ["", "## Loss curves", "", f"![loss curves]({plot})", ""]
-    return "\n".join(lines)
+    if plot:
+        lines += ["", "## Loss curves", "", plot]
+    return "\n".join(lines) + "\n"
 
 
 def artifact_url(tracking_uri: str, run: Any, name: str) -> str:
@@ -228,12 +253,53 @@ def artifact_url(tracking_uri: str, run: Any, name: str) -> str:
     return f"{run.info.artifact_uri.rstrip('/')}/{name}"
 
 
-def compare_experiment(
-    experiment: str, run_ids: list[str] | None = None, tracking_uri: str = "", max_runs: int = 10
-) -> Comparison:
-    """Compare runs of ``experiment`` and log the comparison (PNG, markdown, JSON) to MLflow.
+def _log_comparison(
+    client: Any,
+    experiment_id: str,
+    result: Comparison,
+    runs: list[RunSummary],
+    png: str,
+    parent_run_id: str,
+) -> tuple[str, str]:
+    """Log the comparison as a ``compare-<time>`` run (nested under ``parent_run_id`` when
+    given): PNG, markdown, JSON. Returns (its run id, the PNG's artifact URL)."""
+    tags = {STAGE_TAG: COMPARE_STAGE, "titan.compared_runs": ",".join(r.run_id for r in runs)}
+    if parent_run_id:
+        tags[PARENT_TAG] = parent_run_id
+    record = client.create_run(
+        experiment_id, run_name=f"compare-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags
+    )
+    try:
+        plot_uri = artifact_url(result.tracking_uri, record, PLOT_NAME)
+        logged = dataclasses.replace(result, compare_run_id=record.info.run_id, plot_uri=plot_uri)
+        folder = os.path.dirname(png)
+        with open(os.path.join(folder, "comparison.md"), "w") as f:
+            f.write(logged.markdown)
+        with open(os.path.join(folder, "comparison.json"), "w") as f:
+            json.dump({k: v for k, v in logged.to_dict().items() if k != "markdown"}, f, indent=2)
+        for name in (PLOT_NAME, "comparison.md", "comparison.json"):
+            client.log_artifact(record.info.run_id, os.path.join(folder, name))
+        client.set_terminated(record.info.run_id, "FINISHED")
+    except BaseException:
+        client.set_terminated(record.info.run_id, "FAILED")
+        raise
+    return record.info.run_id, plot_uri
 
-    An empty ``tracking_uri`` means ``MLFLOW_TRACKING_URI``, else the pipeline's default.
+
+def compare_experiment(
+    experiment: str,
+    run_ids: list[str] | None = None,
+    tracking_uri: str = "",
+    max_runs: int = 10,
+    *,
+    log: bool = False,
+    parent_run_id: str = "",
+) -> Comparison:
+    """Compare runs of ``experiment``; the markdown embeds the loss-curve PNG.
+
+    ``log`` records the comparison as an MLflow run of the experiment; ``parent_run_id`` does
+    too, nested under that run. An empty ``tracking_uri`` means ``MLFLOW_TRACKING_URI``, else
+    the pipeline's default.
     """
     from mlflow import MlflowClient
 
@@ -245,35 +311,23 @@ def compare_experiment(
     chosen = select_runs(client, experiment, list(run_ids or []), max_runs)
     runs = [summarize_run(client, r) for r in chosen]
     diff = differing_params(runs)
-    exp_id = chosen[0].info.experiment_id
-    tags = {STAGE_TAG: COMPARE_STAGE, "titan.compared_runs": ",".join(r.run_id for r in runs)}
-    record = client.create_run(
-        exp_id, run_name=f"compare-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags
-    )
-    try:
-        plot_uri = artifact_url(uri, record, PLOT_NAME)
-        markdown = render_markdown(experiment, runs, diff, plot_uri)
+    with tempfile.TemporaryDirectory(prefix="titan-compare-") as tmp:
+        png = plot_loss_curves(runs, os.path.join(tmp, PLOT_NAME), f"{experiment}: training loss")
         result = Comparison(
             experiment=experiment,
             tracking_uri=uri,
             runs=[r.row() for r in runs],
             differing_params=diff,
-            compare_run_id=record.info.run_id,
-            plot_uri=plot_uri,
-            markdown=markdown,
+            compare_run_id="",
+            plot_uri="",
+            markdown=render_markdown(experiment, runs, diff, markdown_image("loss curves", png)),
+            table_markdown=render_markdown(experiment, runs, diff, ""),
         )
-        with tempfile.TemporaryDirectory(prefix="titan-compare-") as tmp:
-            plot_loss_curves(runs, os.path.join(tmp, PLOT_NAME), f"{experiment}: training loss")
-            with open(os.path.join(tmp, "comparison.md"), "w") as f:
-                f.write(markdown)
-            with open(os.path.join(tmp, "comparison.json"), "w") as f:
-                json.dump(result.to_dict(), f, indent=2)
-            for name in (PLOT_NAME, "comparison.md", "comparison.json"):
-                client.log_artifact(record.info.run_id, os.path.join(tmp, name))
-        client.set_terminated(record.info.run_id, "FINISHED")
-    except BaseException:
-        client.set_terminated(record.info.run_id, "FAILED")
-        raise
+        if log or parent_run_id:
+            run_id, plot_uri = _log_comparison(
+                client, chosen[0].info.experiment_id, result, runs, png, parent_run_id
+            )
+            result = dataclasses.replace(result, compare_run_id=run_id, plot_uri=plot_uri)
     return result
 
 
@@ -284,22 +338,31 @@ def compare_experiment(
     task_run_name="compare-{experiment}",
 )
 def compare_runs(
-    experiment: str, run_ids: list[str] | None = None, tracking_uri: str = "", max_runs: int = 10
+    experiment: str,
+    run_ids: list[str] | None = None,
+    tracking_uri: str = "",
+    max_runs: int = 10,
+    log: bool = False,
+    parent_run_id: str = "",
 ) -> dict[str, Any]:
-    """Compare an experiment's runs in MLflow and show the result as Prefect artifacts."""
+    """Compare an experiment's runs (``compare_experiment``) and show the result as Prefect
+    table and markdown artifacts (the loss curves embedded in the markdown)."""
     from prefect.artifacts import (
         create_image_artifact,
         create_markdown_artifact,
         create_table_artifact,
     )
 
-    result = compare_experiment(experiment, run_ids, tracking_uri, max_runs)
+    result = compare_experiment(
+        experiment, run_ids, tracking_uri, max_runs, log=log, parent_run_id=parent_run_id
+    )
     key = "compare-" + "".join(c if c.isalnum() else "-" for c in experiment.lower())
     create_table_artifact(
         key=f"{key}-table", table=result.runs, description=f"Runs of {experiment}"
     )
     create_markdown_artifact(key=key, markdown=result.markdown, description="Run comparison")
-    create_image_artifact(
-        key=f"{key}-loss", image_url=result.plot_uri, description="Loss curves (MLflow artifact)"
-    )
+    if result.plot_uri.startswith(("http://", "https://")):  # a link a browser can open
+        create_image_artifact(
+            key=f"{key}-loss", image_url=result.plot_uri, description="Loss curves (MLflow)"
+        )
     return result.to_dict()

@@ -80,23 +80,27 @@ def check_memory(cfg: JobConfig, est: Any) -> None:
 
 @task(name="preflight", cache_policy=NO_CACHE)
 def preflight(config_toml: str, config_url: str) -> dict[str, Any]:
-    """Validate the run's config at its world size, then store it at ``config_url``.
+    """Validate the run's config at its world size, then store it at ``config_url`` with its
+    auto values resolved (``titan_core.build.resolve_auto``): the config the ranks load.
 
     Returns a summary: world size, parameters, estimated peak memory, model args.
     """
+    from titan_core.build import resolve_auto
+    from titan_core.config.manager import to_toml
     from titan_core.launch import get_launcher
 
     logger = run_logger()
-    cfg = parse_config_text(config_toml)
-    world_size = cfg.launch.nnodes * cfg.launch.nproc_per_node
-    get_launcher(cfg.launch).probe()  # backend settings, and its tools on this machine
+    parsed = parse_config_text(config_toml)
+    world_size = parsed.launch.nnodes * parsed.launch.nproc_per_node
+    get_launcher(parsed.launch).probe()  # backend settings, and its tools on this machine
+    cfg = resolve_auto(parsed, world_size)  # what the ranks will run: no "auto" -1 left
     est = dry_run(cfg, world_size)
     check_memory(cfg, est)
     if cfg.training.dataset == "titan_corpus":
         from titan_core.data import ensure_assets
 
         ensure_assets()  # the bundled corpus, on a fresh machine too (seconds, then cached)
-    storage.write_text_atomic(config_url, config_toml)
+    storage.write_text_atomic(config_url, to_toml(cfg))
     summary = {
         "config_url": config_url,
         "world_size": world_size,

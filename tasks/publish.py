@@ -1,9 +1,12 @@
 """``publish``: register the Hugging Face export in MLflow and summarise the run in Prefect.
 
-The export becomes a new version of the registered model (its source is the export's storage
-URL); the alias ``champion`` moves to it only when its eval loss beats the current champion's.
-The parent MLflow run gets the final train and eval metrics and the run's config and eval report
-as artifacts; Prefect gets a markdown summary, a metrics table and links.
+The export gets a model card (``README.md``: recipe, data, steps, tokens, eval numbers, which
+precision they belong to, how to load it) and becomes a new version of the registered model
+(source: the export's storage URL; a description; the eval loss as a rounded tag). The alias
+``champion`` moves to it only when its eval loss (the exact ``eval/loss`` of its run) beats the
+current champion's. The parent MLflow run gets the final ``train/*`` and ``eval/*`` metrics at the
+final step and the run's config and summary as artifacts; Prefect gets a markdown summary, a
+metrics table, and how to open the run root and the export (``run-root``, ``hf-export``).
 """
 
 from __future__ import annotations
@@ -21,9 +24,15 @@ from tasks.common import redact, retry_transient, run_logger
 from tasks.storage import absolute, refresh
 from tasks.tracking import TrackingContext, client, log_metrics
 from titan_core import storage
+from titan_core.pipeline.model_card import (
+    export_facts,
+    location_markdown,
+    version_description,
+    write_model_card,
+)
 
 CHAMPION = "champion"
-EVAL_LOSS_TAG = "eval_loss"
+EVAL_LOSS_TAG = "eval_loss"  # rounded for people; the champion rule reads the run's eval/loss
 _TRAIN_KEYS = ("loss", "tps", "mfu_pct", "tflops", "grad_norm")
 
 
@@ -41,14 +50,18 @@ def final_train_metrics(run_root: str) -> dict[str, float]:
 
 
 def register_version(
-    tracking: TrackingContext, name: str, source: str, tags: dict[str, str]
+    tracking: TrackingContext, name: str, source: str, tags: dict[str, str], description: str = ""
 ) -> str:
     """A new version of registered model ``name`` (created when missing); returns the version."""
     mlflow_client = client(tracking.uri)
     if not mlflow_client.search_registered_models(filter_string=f"name = '{name}'"):
         mlflow_client.create_registered_model(name)
     version = mlflow_client.create_model_version(
-        name, source=source, run_id=tracking.parent_run_id, tags=tags
+        name,
+        source=source,
+        run_id=tracking.parent_run_id,
+        tags=tags,
+        description=description or None,
     )
     return str(version.version)
 
@@ -72,12 +85,20 @@ def registrable_source(tracking: TrackingContext, hf_url: str) -> str:
 
 
 def champion_loss(tracking: TrackingContext, name: str) -> float | None:
-    """The eval loss recorded on the current champion version, or None without a champion."""
+    """The current champion's eval loss, or None without a champion: the exact ``eval/loss`` of
+    the run it was registered from (the version's tag is rounded), else that tag."""
     mlflow_client = client(tracking.uri)
     try:
         version = mlflow_client.get_model_version_by_alias(name, CHAMPION)
     except Exception:  # no such alias (MLflow raises a RestException)
         return None
+    if version.run_id:
+        try:
+            exact = mlflow_client.get_run(version.run_id).data.metrics.get("eval/loss")
+        except Exception:  # the run was deleted: the tag still says it
+            exact = None
+        if exact is not None:
+            return float(exact)
     value = version.tags.get(EVAL_LOSS_TAG)
     return float(value) if value is not None else None
 
@@ -111,11 +132,7 @@ def _summary_markdown(summary: dict[str, Any], metrics: dict[str, float]) -> str
 
 
 def _prefect_artifacts(summary: dict[str, Any], metrics: dict[str, float], md: str) -> None:
-    from prefect.artifacts import (
-        create_link_artifact,
-        create_markdown_artifact,
-        create_table_artifact,
-    )
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     create_markdown_artifact(md, key="run-summary", description="Pipeline run summary")
     create_table_artifact(
@@ -123,9 +140,16 @@ def _prefect_artifacts(summary: dict[str, Any], metrics: dict[str, float], md: s
         key="run-metrics",
         description="Final training and evaluation metrics",
     )
-    for key, url in (("run-root", summary["run_root"]), ("hf-export", summary["hf"])):
-        link = url if storage.is_url(url) else "file://" + absolute(url)
-        create_link_artifact(link, link_text=url, key=key)
+    where = {
+        "run-root": ("Run root", summary["run_root"], "Checkpoints, config.toml, metrics, logs."),
+        "hf-export": ("Hugging Face export", summary["hf"], "Weights, tokenizer, model card."),
+    }
+    for key, (title, url, what) in where.items():
+        url = url if storage.is_url(url) else absolute(url)
+        # A file:// or s3:// link opens nothing in a browser: say where it is and how to open it.
+        create_markdown_artifact(
+            location_markdown(title, url, what), key=key, description=f"{title}: {url}"
+        )
 
 
 def _mlflow_artifacts(tracking: TrackingContext, summary: dict[str, Any], md: str) -> None:
@@ -156,31 +180,39 @@ def publish(
     run_id = run_root.rstrip("/").rsplit("/", 1)[-1]
     metrics = {**final_train_metrics(run_root)}
     metrics |= {f"eval/{k}": float(v) for k, v in evaluation["metrics"].items()}
+    name = (registered_model or tracking.experiment) if tracking is not None else ""
+    from prefect.runtime import flow_run  # the recipe is the flow's parameter (retrain: none)
+
+    recipe = str((flow_run.parameters or {}).get("recipe") or "")
+    facts = export_facts(run_root, checkpoint_url, hf_url, evaluation, recipe, name)
+    card = write_model_card(hf_url, facts)  # before registering: a server copies the folder
     summary: dict[str, Any] = {
         "run_id": run_id,
         "run_root": redact(run_root),
         "checkpoint": redact(checkpoint_url),
         "hf": redact(hf_url),
         "eval_report": redact(evaluation["report_url"]),
+        "model_card": redact(card),
         "metrics": metrics,
     }
     if tracking is not None:
-        name = registered_model or tracking.experiment
         eval_loss = float(evaluation["metrics"]["loss"])
+        # Logged before the version: the champion rule reads the run's exact eval/loss.
+        log_metrics(tracking, tracking.parent_run_id, metrics, step=int(evaluation["step"]))
         version = register_version(
             tracking,
             name,
             registrable_source(tracking, hf_url),
             {
-                EVAL_LOSS_TAG: repr(eval_loss),
+                EVAL_LOSS_TAG: f"{eval_loss:.4g}",
                 "run_root": redact(run_root),
                 "step": str(evaluation["step"]),
             },
+            description=redact(version_description(facts)),
         )
         moved, previous = promote_if_better(tracking, name, version, eval_loss)
         summary |= {"model_name": name, "model_version": version, "champion": moved}
         summary["previous_champion_loss"] = previous
-        log_metrics(tracking, tracking.parent_run_id, metrics)
     md = _summary_markdown(summary, metrics)
     if tracking is not None:
         _mlflow_artifacts(tracking, summary, md)

@@ -30,11 +30,12 @@ def prepare_storage(paths: RunPaths, credentials_block: str = "") -> str:
 
 
 @task(name="start_tracking", cache_policy=NO_CACHE)
-def start_tracking(cfg: JobConfig, paths: RunPaths) -> TrackingContext:
-    """Create the MLflow experiment (if new) and this pipeline run's parent run."""
+def start_tracking(cfg: JobConfig, paths: RunPaths, parent_run_id: str = "") -> TrackingContext:
+    """Create the MLflow experiment (if new) and this pipeline run's parent run, nested under
+    ``parent_run_id`` (e.g. a sweep's run) when given."""
     from prefect.runtime import flow_run
 
-    ctx = start_pipeline_run(cfg, paths, str(flow_run.id or ""))
+    ctx = start_pipeline_run(cfg, paths, str(flow_run.id or ""), parent_run_id)
     run_logger().info(
         "MLflow: experiment %r, parent run %s at %s",
         ctx.experiment,

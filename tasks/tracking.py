@@ -1,10 +1,12 @@
 """MLflow helpers: one experiment per ``job.experiment``, a parent run per pipeline run and a
 nested run per stage.
 
-Parent-run params are the flattened resolved config (secrets masked); tags carry the git commit,
-the Prefect flow-run id, the storage root, the world size and the device. Everything goes through
-an explicit ``MlflowClient`` (no global active run), so tasks on any thread or process can log to
-the runs they are handed. MLflow is imported lazily: importing it takes seconds.
+The params of the parent run and of its train stage run are the run's stored ``config.toml``
+(auto values resolved by preflight, secrets masked), logged once that config is final; tags carry
+the git commit, the Prefect flow-run id, the storage root, the world size and the device.
+Everything goes through an explicit ``MlflowClient`` (no global active run), so tasks on any
+thread or process can log to the runs they are handed. MLflow is imported lazily: importing it
+takes seconds.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tasks.storage import RunPaths, absolute
 from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.errors import TitanError
+from titan_core.pipeline.params import config_params
 
 PARENT_STAGE = "pipeline"
 STAGE_TAG = "titan.stage"
@@ -133,10 +136,13 @@ def device_name() -> str:
     return f"cuda:{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "cpu"
 
 
-def run_tags(cfg: JobConfig, paths: RunPaths, flow_run_id: str) -> dict[str, str]:
-    """Tags of a pipeline's parent run."""
+def run_tags(
+    cfg: JobConfig, paths: RunPaths, flow_run_id: str, parent_run_id: str = ""
+) -> dict[str, str]:
+    """Tags of a pipeline's parent run; ``parent_run_id`` nests it under another run (a sweep)."""
     commit = git_commit()
-    return {
+    nesting = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
+    return nesting | {
         STAGE_TAG: PARENT_STAGE,
         "mlflow.source.git.commit": commit,
         "git_commit": commit,
@@ -149,19 +155,32 @@ def run_tags(cfg: JobConfig, paths: RunPaths, flow_run_id: str) -> dict[str, str
     }
 
 
-def log_params(mlflow_client: Any, run_id: str, cfg: JobConfig) -> None:
-    """The flattened resolved config as params, secrets masked."""
+def log_params(mlflow_client: Any, run_id: str, params: JobConfig | dict[str, Any]) -> None:
+    """A config (flattened) or flat params as the run's params, secrets masked."""
     from mlflow.entities import Param
 
     from titan_core.config.manager import flatten
 
-    params = [Param(k, str(v)) for k, v in mask_params(flatten(cfg)).items()]
-    for i in range(0, len(params), _PARAM_BATCH):
-        mlflow_client.log_batch(run_id, params=params[i : i + _PARAM_BATCH])
+    flat = flatten(params) if isinstance(params, JobConfig) else params
+    batch = [Param(k, str(v)) for k, v in mask_params(flat).items()]
+    for i in range(0, len(batch), _PARAM_BATCH):
+        mlflow_client.log_batch(run_id, params=batch[i : i + _PARAM_BATCH])
 
 
-def start_pipeline_run(cfg: JobConfig, paths: RunPaths, flow_run_id: str) -> TrackingContext:
-    """Create (or reopen) the experiment and the parent run of this pipeline run."""
+def log_config(ctx: TrackingContext | None, run_id: str, config_url: str) -> None:
+    """The run's stored config (``config_params``) as the params of ``run_id``. Params cannot
+    change once logged, so this runs once the config is final (after preflight and the seed);
+    logging the same values again (a retried stage) is allowed."""
+    if ctx is None or not run_id:
+        return
+    log_params(client(ctx.uri), run_id, config_params(config_url))
+
+
+def start_pipeline_run(
+    cfg: JobConfig, paths: RunPaths, flow_run_id: str, parent_run_id: str = ""
+) -> TrackingContext:
+    """Create (or reopen) the experiment and the parent run of this pipeline run, nested under
+    ``parent_run_id`` when given (tag ``mlflow.parentRunId``)."""
     uri = resolve_tracking_uri(cfg)
     check_tracking(uri)
     try:
@@ -170,9 +189,10 @@ def start_pipeline_run(cfg: JobConfig, paths: RunPaths, flow_run_id: str) -> Tra
             mlflow_client, cfg.job.experiment, _artifact_location(cfg, uri)
         )
         run = mlflow_client.create_run(
-            experiment_id, tags=run_tags(cfg, paths, flow_run_id), run_name=paths.run_id
+            experiment_id,
+            tags=run_tags(cfg, paths, flow_run_id, parent_run_id),
+            run_name=paths.run_id,
         )
-        log_params(mlflow_client, run.info.run_id, cfg)
     except TitanError:
         raise
     except Exception as e:
@@ -222,15 +242,17 @@ def stage_run(ctx: TrackingContext | None, stage: str, *, reuse: bool = False) -
     mlflow_client.set_terminated(run_id, status="FINISHED")
 
 
-def log_metrics(ctx: TrackingContext | None, run_id: str, metrics: dict[str, float]) -> None:
-    """Log ``metrics`` (numbers only) to ``run_id`` at step 0."""
+def log_metrics(
+    ctx: TrackingContext | None, run_id: str, metrics: dict[str, float], step: int = 0
+) -> None:
+    """Log ``metrics`` (numbers only) to ``run_id`` at ``step``."""
     if ctx is None or not run_id:
         return
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
     batch = [
-        Metric(k, float(v), now, 0)
+        Metric(k, float(v), now, step)
         for k, v in metrics.items()
         if isinstance(v, int | float) and not isinstance(v, bool)
     ]

@@ -1,8 +1,9 @@
 """``train``: launch torchrun through ``titan_core.launch`` and stream its log into Prefect.
 
 Rank 0 streams step metrics into the stage's MLflow run (the run id and tracking URI travel in
-the environment). A retry of the task relaunches the job, which resumes from the newest
-complete checkpoint (a step directory counts only with its commit marker), never from scratch.
+the environment); that run and the pipeline's parent run get the stored config as params. A
+retry of the task relaunches the job, which resumes from the newest complete checkpoint
+(a step directory counts only with its commit marker), never from scratch.
 ``upload_run_files`` then copies what the ranks wrote to a local side folder (metrics.jsonl,
 per-rank logs, traces, memory snapshots) into the run root when that is a URL.
 """
@@ -17,32 +18,14 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.common import load_config, redact, retry_transient, run_logger
 from tasks.storage import refresh, upload_folder
-from tasks.tracking import TrackingContext, stage_run
+from tasks.tracking import TrackingContext, log_config, stage_run
 from titan_core import storage
 from titan_core.checkpoint.manager import complete_steps
+from titan_core.pipeline.params import record_seed
 
 # Fault-injection hooks (see titan_core/checkpoint/manager.py) model a transient failure: they
 # apply to the first attempt only, so that a retry can show the recovery.
 FAULT_PREFIX = "TITAN_FAULT_"
-
-
-def _attempt() -> int:
-    from prefect.runtime import task_run
-
-    return max(int(task_run.run_count or 1), 1)
-
-
-def checkpoint_folder(dump_folder: str, folder: str) -> str:
-    """The run's checkpoint folder (``checkpoint.folder`` resolved against the dump folder)."""
-    return storage.resolve(dump_folder, folder)
-
-
-def _job_env(tracking: TrackingContext | None, mlflow_run_id: str) -> dict[str, str]:
-    from titan_core.components.mlflow_sink import RUN_ID_ENV, TRACKING_URI_ENV
-
-    if tracking is None or not mlflow_run_id:
-        return {}
-    return {RUN_ID_ENV: mlflow_run_id, TRACKING_URI_ENV: tracking.uri}
 
 
 @task(name="train", cache_policy=NO_CACHE, retry_condition_fn=retry_transient)
@@ -52,24 +35,32 @@ def train(config_url: str, seed_url: str = "", tracking: TrackingContext | None 
     ``seed_url`` is loaded when the run has no checkpoint of its own yet.
     """
     from titan_core.build import local_side_folder
+    from titan_core.components.mlflow_sink import mlflow_env
     from titan_core.launch import get_launcher, train_spec
 
     cfg = load_config(config_url)
     logger = run_logger()
-    attempt = _attempt()
-    folder = checkpoint_folder(cfg.job.dump_folder, cfg.checkpoint.folder)
+    from prefect.runtime import task_run
+
+    attempt = max(int(task_run.run_count or 1), 1)  # 2 on the first retry
+    folder = storage.resolve(cfg.job.dump_folder, cfg.checkpoint.folder)
     refresh(folder)
     done = complete_steps(folder)
     start = f"step-{done[-1]}, the newest complete checkpoint" if done else "the seed checkpoint"
     logger.info("Attempt %d: training to step %d from %s", attempt, cfg.training.steps, start)
     faults = tuple(k for k in os.environ if k.startswith(FAULT_PREFIX)) if attempt > 1 else ()
     side = local_side_folder(cfg.job.dump_folder)
+    if seed_url:
+        record_seed(config_url, seed_url)
+    if tracking is not None:  # the config is final now: the pipeline run's params are it
+        log_config(tracking, tracking.parent_run_id, config_url)
     with stage_run(tracking, "train", reuse=True) as mlflow_run_id:
+        log_config(tracking, mlflow_run_id, config_url)
         spec = train_spec(
             config_url,
             cfg.launch,
             initial_load_path=seed_url,
-            env=_job_env(tracking, mlflow_run_id),
+            env=mlflow_env(tracking.uri if tracking else "", mlflow_run_id),
             env_unset=faults,
             log_dir=os.path.join(side, "logs", f"attempt-{attempt}"),
         )

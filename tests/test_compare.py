@@ -7,6 +7,8 @@ config as params, a nested train run whose per-step metrics come from the traine
 
 from __future__ import annotations
 
+import base64
+import re
 import struct
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from mlflow import MlflowClient
 from tracking_data import log_pipeline_run
 
 from flows.main import main as titan_main
-from tasks.compare import PLOT_NAME, compare_experiment
+from tasks.compare import PLOT_NAME, compare_experiment, summarize_run
 from titan_core.errors import ConfigError
 
 EXPERIMENT = "cmp-test"
@@ -46,16 +48,31 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+def _embedded_png(markdown: str) -> bytes:
+    """The PNG that the markdown's loss-curve image embeds (a base64 ``data:`` URI)."""
+    match = re.search(r"!\[loss curves\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", markdown)
+    assert match, "no embedded loss-curve image"
+    return base64.b64decode(match.group(1), validate=True)
+
+
 def test_compare_table_differing_keys_and_plot(tracking: tuple[str, dict], tmp_path: Path) -> None:
     uri, runs = tracking
-    result = compare_experiment(EXPERIMENT, tracking_uri=uri)
+    client = MlflowClient(uri)
+    exp_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
+    before = {r.info.run_id for r in client.search_runs([exp_id])}
+    result = compare_experiment(EXPERIMENT, tracking_uri=uri, log=True)
     by_name = {row["run"]: row for row in result.runs}
+    summary = {
+        name: summarize_run(client, client.get_run(run_id)) for name, (run_id, *_) in runs.items()
+    }
     assert sorted(by_name) == sorted(VARIANTS)
     for name, (run_id, losses, ppl) in runs.items():
         row = by_name[name]
         assert row["run_id"] == run_id
         assert row["steps"] == len(losses)
         assert row["final_loss"] == pytest.approx(losses[-1])
+        # The curve is the train stage's every step, not the parent's single final value.
+        assert [v for _, v in summary[name].loss_curve] == pytest.approx(losses)
         assert row["eval_perplexity"] == pytest.approx(ppl)
         assert row["tokens_per_s"] > 0 and row["mfu_pct"] > 0
     # Exactly the keys the two configs differ in, with each run's value.
@@ -64,7 +81,6 @@ def test_compare_table_differing_keys_and_plot(tracking: tuple[str, dict], tmp_p
     assert float(lr[runs["lr-high"][0]]) == 1e-3 and float(lr[runs["lr-low"][0]]) == 1e-4
     assert "`optimizer.lr`" in result.markdown and "model.flavor" not in result.markdown
 
-    client = MlflowClient(uri)
     record = client.get_run(result.compare_run_id)
     assert record.data.tags["titan.stage"] == "compare" and record.info.status == "FINISHED"
     assert sorted(a.path for a in client.list_artifacts(record.info.run_id)) == sorted(
@@ -74,12 +90,37 @@ def test_compare_table_differing_keys_and_plot(tracking: tuple[str, dict], tmp_p
     width, height = _png_size(png.read_bytes())
     assert width >= 400 and height >= 200
     assert result.plot_uri.endswith(PLOT_NAME)
+    # The image renders from the markdown itself, in MLflow's viewer as in Prefect's artifact.
+    assert _embedded_png(result.markdown) == png.read_bytes()
+    logged_md = Path(client.download_artifacts(record.info.run_id, "comparison.md", str(tmp_path)))
+    assert _png_size(_embedded_png(logged_md.read_text())) == (width, height)
+    assert "data:image" not in result.table_markdown and "`optimizer.lr`" in result.table_markdown
 
     # The comparison run itself is never compared; chosen runs by name keep their order.
     again = compare_experiment(EXPERIMENT, ["lr-low", runs["lr-high"][0]], tracking_uri=uri)
     assert [r["run"] for r in again.runs] == ["lr-low", "lr-high"]
     newest = compare_experiment(EXPERIMENT, tracking_uri=uri, max_runs=1)
     assert [r["run"] for r in newest.runs] == ["lr-low"]
+    # Unlogged comparisons leave the experiment alone: one run was added, by log=True.
+    assert again.compare_run_id == newest.compare_run_id == "" and _embedded_png(again.markdown)
+    after = {r.info.run_id for r in client.search_runs([exp_id])}
+    assert after - before == {result.compare_run_id}
+
+
+def test_compare_nests_under_a_parent_run(tracking: tuple[str, dict]) -> None:
+    uri, runs = tracking
+    client = MlflowClient(uri)
+    exp_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
+    parent = client.create_run(exp_id, run_name="sweep-x", tags={"titan.stage": "sweep"})
+    result = compare_experiment(
+        EXPERIMENT,
+        [r[0] for r in runs.values()],
+        tracking_uri=uri,
+        parent_run_id=parent.info.run_id,
+    )
+    record = client.get_run(result.compare_run_id)
+    assert record.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    client.delete_run(parent.info.run_id)
 
 
 def test_compare_bad_input_is_one_line(

@@ -18,12 +18,11 @@ from typing import Any
 
 import pytest
 from pipeline_helpers import (
-    TINY,
     flow_logs,
     flow_run,
     run_flow,
     task_runs,
-    tiny_overrides,
+    tiny_values,
     unique_prefix,
 )
 
@@ -75,14 +74,21 @@ def line(s3_server: Any, hub: Any, tmp_path_factory: pytest.TempPathFactory) -> 
         yield {"storage": s3_server.url(unique_prefix("line")), "tracking": f"sqlite:///{db}"}
 
 
-def _line_overrides(steps: int, nproc: int) -> list[str]:
-    return [
-        *tiny_overrides(steps=steps, nproc=nproc),
-        "--tokenizer.path",
-        f"hf://{HF_REPO}@main/{HF_FILE}",
-        "--job.experiment",
-        EXPERIMENT,
-    ]
+def _line_form(line: dict) -> dict[str, Any]:
+    """Where the line lives and its eval, as the typed ``config`` parameter takes them."""
+    return {
+        "storage": {"root": line["storage"]},
+        "tracking": {"uri": line["tracking"]},
+        "evaluate": {"batches": 2},
+        "tokenizer": {"path": f"hf://{HF_REPO}@main/{HF_FILE}"},
+        "job": {"experiment": EXPERIMENT},
+    }
+
+
+def _line_values(line: dict, steps: int, nproc: int) -> dict[str, Any]:
+    """The tiny run's dotted-key overrides, with the line's form flattened in."""
+    form = {f"{s}.{k}": v for s, table in _line_form(line).items() for k, v in table.items()}
+    return form | tiny_values(steps=steps, nproc=nproc)
 
 
 def _pretrain(line: dict, steps: int, nproc: int) -> tuple[Any, Any]:
@@ -90,12 +96,9 @@ def _pretrain(line: dict, steps: int, nproc: int) -> tuple[Any, Any]:
 
     return run_flow(
         pretrain_pipeline,
-        module="llama3",
-        config="llama3_debugmodel_tiny",
-        overrides=_line_overrides(steps, nproc),
-        storage_root=line["storage"],
-        tracking_uri=line["tracking"],
-        eval_batches=2,
+        recipe="llama3_debugmodel_tiny",
+        config=_line_form(line),
+        overrides=tiny_values(steps=steps, nproc=nproc),
     )
 
 
@@ -161,18 +164,43 @@ def test_every_artifact_lands_in_s3(first_run: dict, s3_server: Any) -> None:
     assert report["step"] == 4 and report["metrics"]["loss"] == result["metrics"]["eval/loss"]
 
 
-def test_mlflow_parent_and_stage_runs(first_run: dict, line: dict) -> None:
-    from flows.config import resolve_job
+def _stored_params(s3_server: Any, run_root: str) -> dict[str, str]:
+    """The run's config.toml flattened as MLflow params are: ``section.key`` -> str(value)."""
+    import tomllib
+
+    text = s3_server.filesystem().cat(run_root.removeprefix("s3://") + "/config.toml").decode()
+    return {
+        f"{section}.{key}": ",".join(map(str, v)) if isinstance(v, list) else str(v)
+        for section, table in tomllib.loads(text).items()
+        for key, v in table.items()
+    }
+
+
+def test_mlflow_parent_and_stage_runs(first_run: dict, line: dict, s3_server: Any) -> None:
+    from titan_core.config.resolve import resolve_job
 
     client = _client(line)
     parent = client.get_run(first_run["result"]["mlflow_run_id"])
     assert (
         parent.info.status == "FINISHED" and parent.info.run_name == first_run["result"]["run_id"]
     )
-    cfg = resolve_job(*TINY[1::2], overrides=_line_overrides(4, 2), storage=line["storage"])
+    cfg = resolve_job("llama3_debugmodel_tiny", "", _line_values(line, 4, 2))
     params = parent.data.params
     assert set(params) == set(flatten(cfg)) and params["training.steps"] == "4"
     assert params["launch.nproc_per_node"] == "2"
+    # The params are the config the ranks ran, key for key: the run's config.toml (auto values
+    # resolved by preflight, the seed recorded); the train stage run carries the same.
+    stored = _stored_params(s3_server, first_run["result"]["run_root"])
+    assert params == stored
+    auto = ["model.vocab_size", "model.n_layers", "model.max_seq_len"]
+    auto += ["parallelism.data_parallel_shard_degree", "validation.local_batch_size"]
+    assert all(params[k] not in ("-1", "-1.0") for k in auto), {k: params[k] for k in auto}
+    assert params["parallelism.data_parallel_shard_degree"] == "2"
+    assert params["checkpoint.initial_load_path"] == first_run["result"]["seed"]
+    assert (
+        params["job.dump_folder"]
+        == params["storage.root"] + f"/{EXPERIMENT}/" + parent.info.run_name
+    )
     tags = parent.data.tags
     assert tags["prefect.flow_run_id"] == str(first_run["flow_run_id"])
     assert tags["storage_root"] == first_run["result"]["run_root"]
@@ -186,10 +214,15 @@ def test_mlflow_parent_and_stage_runs(first_run: dict, line: dict) -> None:
     assert set(stages) == {"train", "convert", "evaluate"}
     assert all(run.info.status == "FINISHED" for run in children)
     # Step metrics streamed by rank 0 while training, equal to the run's metrics.jsonl.
-    history = client.get_metric_history(stages["train"].info.run_id, "loss")
+    history = client.get_metric_history(stages["train"].info.run_id, "train/loss")
     assert sorted(m.step for m in history) == [1, 2, 3, 4]
     assert history[-1].value == pytest.approx(first_run["result"]["metrics"]["train/loss"])
-    assert {"tps", "mfu_pct", "grad_norm", "lr"} <= set(stages["train"].data.metrics)
+    # One naming scheme: the stage run and the parent chart the same train/* keys.
+    names = {f"train/{k}" for k in ("loss", "tps", "mfu_pct", "grad_norm", "lr")}
+    assert names <= set(stages["train"].data.metrics)
+    assert not {"loss", "tps", "mfu_pct"} & set(stages["train"].data.metrics)
+    assert {"train/loss", "train/tps", "eval/loss"} <= set(parent.data.metrics)
+    assert stages["train"].data.params == stored
     assert stages["evaluate"].data.metrics["eval/loss"] == pytest.approx(
         first_run["result"]["metrics"]["eval/loss"]
     )
@@ -208,12 +241,23 @@ def test_registered_model_version_loads_in_transformers(
     client = _client(line)
     version = client.get_model_version(EXPERIMENT, "1")
     assert version.source == result["hf"] and version.run_id == result["mlflow_run_id"]
+    eval_loss = result["metrics"]["eval/loss"]
+    assert version.tags["eval_loss"] == f"{eval_loss:.4g}"  # rounded for people
+    assert "recipe `llama3_debugmodel_tiny`" in version.description
+    assert "4 steps" in version.description and f"eval loss {eval_loss:.4g}" in version.description
     assert str(client.get_model_version_by_alias(EXPERIMENT, "champion").version) == "1"
     # Resolved through the registry (no global tracking URI: other tests share this process).
     source = client.get_model_version_download_uri(EXPERIMENT, "1")
     local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp_path))
     model = AutoModelForCausalLM.from_pretrained(local)
     tokenizer = AutoTokenizer.from_pretrained(local)
+    # The model card: recipe, data, steps, tokens, eval numbers and which precision they are.
+    card = (Path(local) / "README.md").read_text()
+    assert "| recipe | `llama3_debugmodel_tiny` |" in card and "| training steps | 4 |" in card
+    assert "llama3 / debugmodel_tiny" in card and f"| eval loss | {eval_loss:.4g} |" in card
+    assert "The weights in this folder are **bfloat16**" in card
+    assert "weights stored in float32, forward pass in float32" in card
+    assert "AutoModelForCausalLM.from_pretrained(" in card and "aws s3 sync" in card
     ids = tokenizer("The quick brown fox", return_tensors="pt").input_ids
     with torch.no_grad():
         logits = model(ids).logits  # (1, seq, vocab)
@@ -235,7 +279,17 @@ def test_prefect_flow_and_every_task_completed(first_run: dict) -> None:
                 flow_run_id=ArtifactFilterFlowRunId(any_=[first_run["flow_run_id"]])
             )
         )
-    assert {"run-summary", "run-metrics", "run-root", "hf-export"} <= {a.key for a in artifacts}
+    by_key = {a.key: a for a in artifacts}
+    assert {"run-summary", "run-metrics", "run-root", "hf-export"} <= set(by_key)
+    # Where the run lives, in a form that opens: the S3 URL and the CLI command, not file://.
+    root = first_run["result"]["run_root"]
+    assert by_key["run-root"].type == "markdown" and "aws s3 ls" in by_key["run-root"].data
+    assert f"{root}/" in by_key["run-root"].data and by_key["run-root"].description
+    # The flow run is named after the run id and tagged so it can be found.
+    run = flow_run(first_run["flow_run_id"])
+    assert run.name == f"{EXPERIMENT}/{first_run['result']['run_id']}"
+    tags = {f"experiment:{EXPERIMENT}", "recipe:llama3_debugmodel_tiny"}
+    assert tags | {"model:llama3/debugmodel_tiny"} <= set(run.tags)
 
 
 def test_convert_and_evaluate_flows_on_a_stored_checkpoint(first_run: dict, tmp_path: Path) -> None:
@@ -293,7 +347,7 @@ def test_killed_training_resumes_from_newest_complete_checkpoint(
         ),
     )
     assert len(train_run) == 1  # the retry logged into the same stage run
-    steps = {m.step for m in client.get_metric_history(train_run[0].info.run_id, "loss")}
+    steps = {m.step for m in client.get_metric_history(train_run[0].info.run_id, "train/loss")}
     # Every step of the attempt that finished (what the killed one had not sent yet is lost).
     assert {3, 4, 5, 6} <= steps <= {1, 2, 3, 4, 5, 6}
 
@@ -346,21 +400,21 @@ def test_retrain_continues_line_and_moves_champion_only_if_better(
         retrain,
         steps=2,
         experiment=EXPERIMENT,
-        overrides=[
-            *["--launch.nproc_per_node", "1", "--launch.retry_delay_seconds", "0"],
-            *["--data.sources", str(tmp_path / "newdata"), "--data.validation_every", "5"],
-            *["--data.workers", "1"],
-        ],
-        storage_root=line["storage"],
-        tracking_uri=line["tracking"],
-        eval_batches=2,
+        config={"storage": {"root": line["storage"]}, "tracking": {"uri": line["tracking"]}},
+        overrides={
+            "launch.nproc_per_node": 1,
+            "launch.retry_delay_seconds": 0,
+            "data.sources": [str(tmp_path / "newdata")],
+            "data.validation_every": 5,
+            "data.workers": 1,
+        },
     )
     assert state.is_completed(), state.message
     result = state.result()
     assert result["continued_from"] == second_run["result"]["checkpoint"]
     assert result["checkpoint"].endswith("/checkpoint/step-8")  # 6 + 2 steps
     new_loss = result["metrics"]["eval/loss"]
-    old_loss = float(before.tags["eval_loss"])
+    old_loss = client.get_run(before.run_id).data.metrics["eval/loss"]  # exact; the tag rounds
     after = client.get_model_version_by_alias(EXPERIMENT, "champion")
     assert result["champion"] == (new_loss < old_loss)
     expected = result["model_version"] if result["champion"] else before.version

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,11 @@ def test_metrics_profiling_validation(tmp_path: Path, assets: Path) -> None:
     )
     assert report["kind"] == "cpu_memory_report" and report["parameters_mib"] > 0
     assert (dump / "config.toml").read_text().count("[training]") == 1
+    # Saved as the ranks ran it: auto values resolved (titan_core.build.resolved_config).
+    saved = tomllib.loads((dump / "config.toml").read_text())
+    assert saved["parallelism"]["data_parallel_shard_degree"] == 1
+    assert saved["model"]["vocab_size"] > 0 and saved["model"]["n_layers"] > 0
+    assert saved["validation"]["local_batch_size"] == saved["training"]["local_batch_size"]
 
 
 def test_gradient_accumulation_matches_bigger_batch(tmp_path: Path, assets: Path) -> None:

@@ -3,7 +3,8 @@
 A parent run carries the flattened resolved config as params (the pipeline's own
 ``tasks.tracking.log_params``); a nested ``train`` run gets its
 per-step metrics from the trainer's ``MetricsProcessor`` through the ``MlflowSink`` (the names
-the pipeline logs); a nested ``evaluate`` run gets the eval perplexity.
+the pipeline logs: ``train/*``); a nested ``evaluate`` run gets the eval perplexity, and the
+parent the final ``train/loss`` and ``eval/perplexity`` at the last step, as ``publish`` does.
 """
 
 from __future__ import annotations
@@ -50,5 +51,7 @@ def log_pipeline_run(
     ppl = 2.0 ** losses[-1]
     client.log_metric(evaluate.info.run_id, "eval/perplexity", ppl)
     client.set_terminated(evaluate.info.run_id)
+    client.log_metric(run_id, "train/loss", losses[-1], step=cfg.training.steps)
+    client.log_metric(run_id, "eval/perplexity", ppl, step=cfg.training.steps)
     client.set_terminated(run_id)
     return run_id, losses, ppl

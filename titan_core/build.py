@@ -205,6 +205,58 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
     return parallel_dims, tokenizer, model_args
 
 
+def resolved_config(cfg: JobConfig, parallel_dims: ParallelDims, model_args: Any) -> JobConfig:
+    """``cfg`` with the "auto" values the engine resolved written out, as the ranks run it: the
+    model's vocabulary, depth and RoPE length (and a mixture-of-experts flavor's routing), the
+    FSDP degree and the validation batch. ``job.config_file`` is cleared: the file it names is
+    already applied, and reloading the saved config must give the same config back.
+
+    ``model_args`` and ``parallel_dims`` are ``check_job``'s. Rules that follow other keys stay
+    rules: ``lr_scheduler.decay_ratio`` (-1: every step after warmup, which a retrain with more
+    steps must recompute), ``pipeline_parallel_layers_per_stage`` (uneven splits have no single
+    value) and ``checkpoint.load_step`` (the newest checkpoint at load time).
+    """
+    moe = getattr(model_args, "moe", None)
+    routing = (
+        {
+            "moe_num_experts": moe.num_experts,
+            "moe_top_k": moe.top_k,
+            "moe_aux_loss_coef": moe.aux_loss_coef,
+            "moe_load_balance_bias": "on" if moe.load_balance_bias else "off",
+        }
+        if moe is not None
+        else {}  # a dense model has no routing to write (a value would be refused)
+    )
+    validation_batch = cfg.validation.local_batch_size
+    return dataclasses.replace(
+        cfg,
+        job=dataclasses.replace(cfg.job, config_file=""),
+        model=dataclasses.replace(
+            cfg.model,
+            vocab_size=model_args.vocab_size,
+            n_layers=model_args.n_layers,
+            max_seq_len=model_args.max_seq_len,
+            **routing,
+        ),
+        parallelism=dataclasses.replace(
+            cfg.parallelism, data_parallel_shard_degree=parallel_dims.dp_shard
+        ),
+        validation=dataclasses.replace(
+            cfg.validation,
+            local_batch_size=(
+                validation_batch if validation_batch > 0 else cfg.training.local_batch_size
+            ),
+        ),
+    )
+
+
+def resolve_auto(cfg: JobConfig, world_size: int) -> JobConfig:
+    """``cfg`` checked for ``world_size`` ranks (``check_job``) with its "auto" values resolved
+    (``resolved_config``): the config a run saves as ``config.toml`` and logs as params."""
+    parallel_dims, _, model_args = check_job(cfg, world_size)
+    return resolved_config(cfg, parallel_dims, model_args)
+
+
 def build_model_parts(
     spec: ModelSpec,
     model_args: Any,

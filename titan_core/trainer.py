@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_core import storage
-from titan_core.build import build_model_parts, check_job, local_side_folder
+from titan_core.build import build_model_parts, check_job, local_side_folder, resolved_config
 from titan_core.checkpoint.manager import CheckpointManager
 from titan_core.checkpoint.states import ModelState, TrainState
 from titan_core.components.loss import cross_entropy_loss
@@ -225,12 +225,13 @@ class Trainer:
         )
 
     def _write_config(self) -> None:
+        """Save the config as this run ran it (``resolved_config``): what the pipeline's
+        preflight stored and logged, so a run's config.toml and its MLflow params agree."""
+        text = to_toml(resolved_config(self.cfg, self.parallel_dims, self.model_args))
         if self.dist.is_rank0 and self.cfg.job.save_config:
-            storage.write_text_atomic(
-                storage.join(self.cfg.job.dump_folder, "config.toml"), to_toml(self.cfg)
-            )
+            storage.write_text_atomic(storage.join(self.cfg.job.dump_folder, "config.toml"), text)
         if self.cfg.job.print_config:
-            logger.info("Resolved config:\n%s", to_toml(self.cfg))
+            logger.info("Resolved config:\n%s", text)
 
     # ------------------------------------------------------------------ stepping
     def _autocast(self) -> contextlib.AbstractContextManager:

@@ -1,5 +1,8 @@
 """An MLflow ``MetricsSink``: per-step metrics into an existing MLflow run, live.
 
+Names on MLflow are ``train/<name>`` (``mlflow_name``), so the train stage run and the pipeline's
+parent run chart the same keys; metrics.jsonl and the console keep the trainer's names.
+
 The pipeline creates the run and hands it to rank 0 through the environment
 (``TITAN_MLFLOW_RUN_ID`` and ``TITAN_MLFLOW_TRACKING_URI``); ``mlflow_sink_from_env`` builds the
 sink when they are set. MLflow is imported lazily, on a background thread that also does the
@@ -18,9 +21,17 @@ from titan_core.logging import logger
 
 RUN_ID_ENV = "TITAN_MLFLOW_RUN_ID"
 TRACKING_URI_ENV = "TITAN_MLFLOW_TRACKING_URI"
+TRAIN_PREFIX = "train/"
 _CLOSE = object()
 _CLOSE_TIMEOUT_S = 120.0
 _ATTEMPTS = 3
+
+
+def mlflow_name(name: str) -> str:
+    """The metric's name on MLflow: ``train/<name>`` for the trainer's own (``loss``, ``tps``,
+    ``mfu_pct``, ``grad_norm``, ``lr`` ...); namespaced ones (``memory/*``, ``moe/*``,
+    ``validation/*``) keep theirs. The pipeline's parent run uses the same names."""
+    return name if "/" in name else f"{TRAIN_PREFIX}{name}"
 
 
 class MlflowSink:
@@ -53,7 +64,7 @@ class MlflowSink:
         client = MlflowClient(tracking_uri=self.tracking_uri)
         while (item := self._queue.get()) is not _CLOSE:
             step, timestamp, metrics = item
-            batch = [Metric(k, float(v), timestamp, step) for k, v in metrics.items()]
+            batch = [Metric(mlflow_name(k), float(v), timestamp, step) for k, v in metrics.items()]
             self._send(client, batch, step)
 
     def _send(self, client: Any, batch: list[Any], step: int) -> None:
@@ -73,6 +84,14 @@ class MlflowSink:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def mlflow_env(tracking_uri: str, run_id: str) -> dict[str, str]:
+    """The environment that makes rank 0 stream its metrics into MLflow run ``run_id`` (read by
+    ``mlflow_sink_from_env``); empty when either is missing."""
+    if not tracking_uri or not run_id:
+        return {}
+    return {RUN_ID_ENV: run_id, TRACKING_URI_ENV: tracking_uri}
 
 
 def mlflow_sink_from_env() -> MlflowSink | None:

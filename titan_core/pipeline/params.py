@@ -1,0 +1,36 @@
+"""A run's stored ``config.toml`` as what it is everywhere else: MLflow params, key for key.
+
+Preflight stores the resolved config (``titan_core.build.resolve_auto``); the train stage records
+the seed checkpoint in it (``record_seed``) and then logs ``config_params`` to the pipeline run and
+its train stage run. The ranks load that file and save it back unchanged.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Any
+
+import tomli_w
+
+from titan_core import storage
+
+
+def config_params(config_url: str) -> dict[str, Any]:
+    """The stored config as flat params: ``section.field`` -> value, lists joined with commas
+    (as ``titan_core.config.manager.flatten`` does)."""
+    out: dict[str, Any] = {}
+    for section, table in tomllib.loads(storage.read_text(config_url)).items():
+        for name, value in table.items():
+            out[f"{section}.{name}"] = (
+                ",".join(str(v) for v in value) if isinstance(value, list) else value
+            )
+    return out
+
+
+def record_seed(config_url: str, seed_url: str) -> None:
+    """Store the seed checkpoint in the run's config as ``checkpoint.initial_load_path``, so the
+    stored config (and the run's params) say what the ranks load, as their own save will."""
+    table = tomllib.loads(storage.read_text(config_url))
+    if table["checkpoint"].get("initial_load_path") != seed_url:
+        table["checkpoint"]["initial_load_path"] = seed_url
+        storage.write_text_atomic(config_url, tomli_w.dumps(table))
