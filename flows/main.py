@@ -11,6 +11,7 @@
     titan eval --checkpoint URL [...]                    # held-out loss, perplexity, samples
     titan estimate --ngpu N [--json] [...]               # per-rank memory and FLOPs
     titan compare --experiment NAME [--runs ID ...]      # MLflow runs side by side, loss curves
+    titan sweep --grid KEY=V1,V2 [...] [overrides]       # one pipeline run per trial, compared
 
 Config arguments are handed to ``titan_core.config.manager`` unchanged.
 """
@@ -33,6 +34,7 @@ _DELEGATED = {
     "estimate": "estimate per-rank memory and FLOPs for a config and world size",
     "compare": "compare MLflow runs of an experiment: table, differing config, loss curves",
     "pipeline": "run the Prefect pipeline: config to trained, evaluated, published model",
+    "sweep": "train a recipe once per grid or random-search trial and compare the trials",
 }
 # Imported only when their command runs: the pipeline's (Prefect, MLflow) never slow `titan train`.
 _MODULES = {
@@ -43,6 +45,7 @@ _MODULES = {
     "estimate": "titan_core.estimate.cli",
     "compare": "flows.compare_cli",
     "pipeline": "flows.cli",
+    "sweep": "flows.sweep_cli",
 }
 
 

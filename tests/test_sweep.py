@@ -1,0 +1,347 @@
+"""Sweeps: trials from a grid or a seeded random search, each a real ``pretrain_pipeline`` run
+against a Prefect API (test harness) and MLflow on SQLite, nested under one MLflow run and
+compared at the end; bad input is one line before any trial starts."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pipeline_helpers import TINY, flow_run, run_flow, task_runs, tiny_overrides, tiny_values
+
+from flows.main import main as titan_main
+from titan_core.errors import ConfigError
+from titan_core.pipeline.sweep import BEST_ALIAS, expand, parse_grid_arg, parse_random_arg
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = TINY[-1]  # llama3_debugmodel_tiny
+
+# ------------------------------------------------------------------ expansion (no runs)
+
+
+def test_grid_is_the_cartesian_product_first_key_slowest() -> None:
+    trials = expand({"optimizer.lr": [1e-3, 3e-3], "training.steps": [2, 3]})
+    assert [t.overrides for t in trials] == [
+        {"optimizer.lr": 1e-3, "training.steps": 2},
+        {"optimizer.lr": 1e-3, "training.steps": 3},
+        {"optimizer.lr": 3e-3, "training.steps": 2},
+        {"optimizer.lr": 3e-3, "training.steps": 3},
+    ]
+    assert [t.label() for t in trials][1] == "trial-2 lr=0.001 steps=3"
+    # Field names that clash across sections are shown in full.
+    both = expand({"training.steps": [1], "validation.steps": [2]})
+    assert both[0].label() == "trial-1 training.steps=1 validation.steps=2"
+
+
+def test_random_search_is_seeded_and_within_its_space() -> None:
+    space = {
+        "optimizer.lr": {"log_uniform": [1e-4, 1e-2]},
+        "training.local_batch_size": {"choice": [2, 4]},
+        "training.steps": {"int_uniform": [2, 9]},
+    }
+    first = [t.overrides for t in expand(random=space, trials=6, seed=7)]
+    assert first == [t.overrides for t in expand(random=space, trials=6, seed=7)]
+    assert first != [t.overrides for t in expand(random=space, trials=6, seed=8)]
+    assert len(first) == 6
+    for values in first:
+        assert 1e-4 <= values["optimizer.lr"] <= 1e-2
+        assert values["optimizer.lr"] == float(f"{values['optimizer.lr']:.4g}")
+        assert values["training.local_batch_size"] in (2, 4)
+        assert 2 <= values["training.steps"] <= 9 and isinstance(values["training.steps"], int)
+    # A grid and a random space: every cell with every draw.
+    mixed = expand({"training.steps": [2, 3]}, {"optimizer.lr": {"uniform": [0.1, 0.2]}}, 3, 0)
+    assert len(mixed) == 6 and {t.overrides["training.steps"] for t in mixed} == {2, 3}
+
+
+def test_cli_values_are_parsed_in_the_fields_types() -> None:
+    assert parse_grid_arg("optimizer.lr=1e-3,3e-3") == ("optimizer.lr", [1e-3, 3e-3])
+    assert parse_grid_arg("training.local_batch_size=2,4") == ("training.local_batch_size", [2, 4])
+    assert parse_grid_arg("model.flavor=debugmodel,tiny") == (
+        "model.flavor",
+        ["debugmodel", "tiny"],
+    )
+    assert parse_random_arg("optimizer.lr=log_uniform:1e-4,1e-2") == (
+        "optimizer.lr",
+        {"log_uniform": [1e-4, 1e-2]},
+    )
+    assert parse_random_arg("training.steps=choice:2,4") == ("training.steps", {"choice": [2, 4]})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"grid": {"optimizer.lrr": [1]}}, "sweep.grid: unknown config key 'optimizer.lrr'; "),
+        ({"grid": {"job.experiment": ["a", "b"]}}, "job.experiment cannot be swept"),
+        ({"grid": {"optimizer.lr": 1e-3}}, "sweep.grid.optimizer.lr: expected a non-empty list"),
+        ({"random": {"optimizer.lr": {"normal": [0, 1]}}}, "sweep.random.optimizer.lr: expected"),
+        ({"random": {"optimizer.lr": {"log_uniform": [0, 1]}}}, "expected low > 0"),
+        ({"random": {"optimizer.lr": {"uniform": [1, 1]}}}, "low < high"),
+        ({"random": {"optimizer.lr": {"choice": [1]}}, "trials": 0}, "sweep.trials: expected"),
+        ({}, "sweep: nothing to sweep"),
+    ],
+)
+def test_bad_sweeps_are_one_line(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        expand(**kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--grid", "optimizer.lrr=1e-3,3e-3"],
+            "unknown config key 'optimizer.lrr'; did you mean optimizer.lr",
+        ),
+        (["--grid", "optimizer.lr"], "--grid 'optimizer.lr': expected KEY=VALUES"),
+        (["--grid", "training.steps=2,x"], "training.steps: expected an int, got 'x'"),
+        (["--random", "optimizer.lr=gauss:0,1"], "KIND one of log_uniform"),
+        (["--grid", "training.steps=2", "--trials", "3"], "--trials: counts random draws"),
+        # Resolved per trial before any runs: the trial and its key are named.
+        (["--grid", "training.steps=2,0"], "trial-2 steps=0: training.steps: expected"),
+        (["--grid", "training.steps=2", "--concurrency", "0"], "sweep.concurrency: expected"),
+        (["--grid", "training.steps=2", "--training.stepz", "3"], "training.stepz"),
+    ],
+)
+def test_titan_sweep_bad_input_prints_one_line_and_runs_nothing(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "root"
+    argv = ["sweep", "--config", RECIPE, *args, "--storage.root", str(root)]
+    assert titan_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err
+    assert not root.exists()
+
+
+def _doc_commands() -> list[str]:
+    text = (ROOT / "docs" / "sweeps.md").read_text()
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].strip()
+            if line.startswith("titan sweep"):
+                lines.append(line)
+    return lines
+
+
+def test_documented_sweeps_resolve_every_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.sweep_cli import sweep_kwargs
+
+    monkeypatch.chdir(tmp_path)
+    commands = _doc_commands()
+    assert len(commands) >= 3
+    for line in commands:
+        kwargs = sweep_kwargs(shlex.split(line)[2:])  # every trial resolves, or this raises
+        assert kwargs["grid"] or kwargs["random"], line
+
+
+def test_best_trial_is_the_lowest_finished_metric() -> None:
+    from titan_core.pipeline.sweep_report import TrialRow, best_trial
+
+    def row(index: int, status: str, metric: float | None) -> TrialRow:
+        return TrialRow(index, f"trial-{index}", f"r{index}", status, (), metric=metric)
+
+    rows = [row(1, "completed", 2.0), row(2, "failed", 0.5), row(3, "completed", float("nan"))]
+    assert best_trial([*rows, row(4, "completed", 1.5), row(5, "completed", 1.5)]).index == 4
+    assert best_trial(rows[1:3]) is None
+
+
+# ------------------------------------------------------------------ a real sweep
+
+# 2 x 2 grid of batch size and sequence length under a 18 MiB per-device budget: the estimated
+# peaks are about 7.6, 14.3, 9.5 and 24 MiB, so the largest cell is refused by the pipeline's
+# preflight (at run time, after its MLflow run opened) and the other three train.
+GRID = {"training.local_batch_size": [2, 4], "training.seq_len": [32, 128]}
+BUDGET_GIB = 0.018
+EXPERIMENT = "sweep-test"
+
+
+@pytest.fixture(scope="module")
+def swept(prefect_harness: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One sweep of 4 trials (one refused by preflight), concurrency 2."""
+    from flows.sweep import sweep
+
+    root = tmp_path_factory.mktemp("sweep")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    overrides = tiny_values(steps=2, nproc=1) | {
+        "storage.root": str(root / "runs"),
+        "tracking.uri": uri,
+        "job.experiment": EXPERIMENT,
+        "evaluate.batches": 2,
+        "launch.device_memory_gib": BUDGET_GIB,
+    }
+    state, flow_run_id = run_flow(
+        sweep, recipe=RECIPE, overrides=overrides, grid=GRID, concurrency=2
+    )
+    assert state.is_completed(), state.message
+    return {"result": state.result(), "flow_run_id": flow_run_id, "uri": uri, "root": root}
+
+
+@pytest.mark.multiprocess
+def test_sweep_nests_four_trials_and_reports_the_refused_one(swept: dict[str, Any]) -> None:
+    from mlflow import MlflowClient
+
+    result = swept["result"]
+    assert [t.status for t in result.trials] == ["completed"] * 3 + ["failed"]
+    failed = result.trials[3]
+    assert dict(failed.values) == {"training.local_batch_size": 4, "training.seq_len": 128}
+    assert "launch.device_memory_gib" in failed.error and "\n" not in failed.error
+
+    client = MlflowClient(swept["uri"])
+    sweep_run = client.get_run(result.mlflow_run_id)
+    assert sweep_run.info.status == "FINISHED"
+    assert sweep_run.data.tags["titan.stage"] == "sweep"
+    children = client.search_runs(
+        [sweep_run.info.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{result.mlflow_run_id}'",
+    )
+    assert len(children) == 4
+    by_run_id = {c.data.tags["titan.run_id"]: c for c in children}
+    assert sorted(by_run_id) == sorted(t.run_id for t in result.trials)
+    statuses = sorted(c.info.status for c in children)
+    assert statuses == ["FAILED", "FINISHED", "FINISHED", "FINISHED"]
+    for trial in result.trials[:3]:
+        assert trial.final_loss is not None and trial.metric is not None
+        assert by_run_id[trial.run_id].data.metrics["eval/loss"] == pytest.approx(trial.metric)
+
+
+@pytest.mark.multiprocess
+def test_comparison_lists_swept_keys_and_losses(swept: dict[str, Any], tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    result = swept["result"]
+    client = MlflowClient(swept["uri"])
+    names = {a.path for a in client.list_artifacts(result.mlflow_run_id)}
+    assert {"comparison.md", "comparison.json", "loss_curves.png"} <= names
+    assert {f"eval_loss_by_{key}.png" for key in GRID} <= names
+    local = Path(client.download_artifacts(result.mlflow_run_id, "comparison.json", str(tmp_path)))
+    doc = json.loads(local.read_text())
+    assert doc["keys"] == list(GRID)
+    rows = doc["trials"]
+    assert [(r["training.local_batch_size"], r["training.seq_len"]) for r in rows] == [
+        (2, 32),
+        (2, 128),
+        (4, 32),
+        (4, 128),
+    ]
+    assert all(isinstance(r["eval/loss"], float) for r in rows[:3])
+    assert all(isinstance(r["final_train_loss"], float) for r in rows[:3])
+    assert rows[3]["status"] == "failed" and "device_memory_gib" in rows[3]["error"]
+    md = Path(client.download_artifacts(result.mlflow_run_id, "comparison.md", str(tmp_path)))
+    text = md.read_text()
+    assert "| trial | status | training.local_batch_size | training.seq_len |" in text
+    # The loss curves and one chart per key, embedded so they render in both UIs.
+    assert text.count("](data:image/png;base64,") == 1 + len(GRID)
+
+
+@pytest.mark.multiprocess
+def test_best_trial_is_aliased(swept: dict[str, Any]) -> None:
+    from mlflow import MlflowClient
+
+    result = swept["result"]
+    completed = [t for t in result.trials if t.status == "completed"]
+    assert result.best == min(completed, key=lambda t: t.metric)
+    assert result.model_name == f"{EXPERIMENT}-sweep" and result.alias == BEST_ALIAS
+    client = MlflowClient(swept["uri"])
+    version = client.get_model_version_by_alias(result.model_name, BEST_ALIAS)
+    assert version.run_id == result.best.mlflow_run_id
+    assert version.tags["titan.sweep_id"] == result.sweep_id
+    assert {t.model_version for t in completed} == {"1", "2", "3"}
+
+
+@pytest.mark.multiprocess
+def test_trials_are_subflows_at_most_two_at_a_time(swept: dict[str, Any]) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    result = swept["result"]
+    assert flow_run(swept["flow_run_id"]).name == f"sweep-{result.sweep_id}"
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"sweep:{result.sweep_id}"]))
+        )
+    trials = {r.name: r for r in runs if r.id != swept["flow_run_id"]}
+    # Each trial's pipeline is named after its run id, tagged with the sweep and its index.
+    assert sorted(trials) == sorted(f"{EXPERIMENT}/{t.run_id}" for t in result.trials)
+    for t in result.trials:
+        run = trials[f"{EXPERIMENT}/{t.run_id}"]
+        assert f"trial:{t.index}" in run.tags
+        assert run.parent_task_run_id is not None
+        assert run.state.type.value == ("COMPLETED" if t.status == "completed" else "FAILED")
+    # The trial tasks in the sweep's flow run carry the trials' names and values.
+    prefix = f"sweep-{result.sweep_id}/"
+    runs_by_name = task_runs(swept["flow_run_id"])
+    names = sorted(r.name for rs in runs_by_name.values() for r in rs if r.name.startswith(prefix))
+    assert names == sorted(f"sweep-{result.sweep_id}/{t.name}" for t in result.trials)
+    # Never more than `concurrency` trials at once (and the two first did overlap).
+    events = sorted(
+        [(r.start_time, 1) for r in trials.values()] + [(r.end_time, -1) for r in trials.values()]
+    )
+    running, most = 0, 0
+    for _, step in events:
+        running += step
+        most = max(most, running)
+    assert most == 2
+
+
+@pytest.mark.multiprocess
+def test_titan_sweep_runs_a_random_search_and_prints_the_table(
+    prefect_harness: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The CLI's Prefect settings: this session's harness, nothing left in the environment after.
+    monkeypatch.setenv("PREFECT_HOME", str(prefect_harness))
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    monkeypatch.setenv("PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT", "false")
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    argv = ["sweep", "--config", RECIPE, "--random", "optimizer.lr=log_uniform:1e-4,1e-2"]
+    argv += ["--trials", "2", "--seed", "3", *tiny_overrides(steps=2, nproc=1)]
+    argv += ["--storage.root", str(tmp_path / "runs"), "--tracking.uri", uri]
+    argv += ["--evaluate.batches", "1", "--job.experiment", "cli-sweep"]
+    assert titan_main(argv) == 0
+    out = capsys.readouterr().out
+    space = {"optimizer.lr": {"log_uniform": [1e-4, 1e-2]}}
+    drawn = [t.overrides["optimizer.lr"] for t in expand(random=space, trials=2, seed=3)]
+    lines = out.splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if re.match(r"sweep \S+: ", line)) :]
+    assert table[0].endswith("2 of 2 trials completed")
+    assert table[1].split() == ["trial", "lr", "final_loss", "eval/loss", "status"]
+    for index, (line, lr) in enumerate(zip(table[2:4], drawn), start=1):
+        assert line.split()[:2] == [f"trial-{index}", f"{lr:g}"] and "completed" in line
+    assert sum("(best)" in line for line in table[2:4]) == 1
+    assert "model cli-sweep-sweep @sweep-best" in out and "MLflow: sweep run " in out
+
+
+def test_a_missing_deployment_is_one_line_before_anything_runs(
+    prefect_harness: Path, tmp_path: Path
+) -> None:
+    from flows.sweep import sweep
+
+    overrides = {
+        "storage.root": str(tmp_path / "runs"),
+        "tracking.uri": f"sqlite:///{tmp_path}/m.db",
+    }
+    state, _ = run_flow(
+        sweep,
+        recipe=RECIPE,
+        overrides=overrides,
+        grid={"optimizer.lr": [1e-3, 3e-3]},
+        deployment="no-such-deployment",
+    )
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, ConfigError)
+    expected = "no deployment 'pretrain_pipeline/no-such-deployment' on the Prefect server"
+    assert str(error) == f"sweep.deployment: {expected}"
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "m.db").exists()
