@@ -104,6 +104,12 @@ def retrain(
         config_file or latest["config_url"],
         {**values, "storage.root": root, "job.experiment": line},
     )
+    if "parallelism.data_parallel_shard_degree" not in values:
+        # The saved config holds the FSDP degree its world size resolved: the new run may run on
+        # more or fewer ranks (launch.* in the overrides), so the degree is resolved again.
+        cfg = dataclasses.replace(
+            cfg, parallelism=dataclasses.replace(cfg.parallelism, data_parallel_shard_degree=-1)
+        )
     paths = RunPaths(absolute(cfg.storage.root), line, new_run_id())
     name_flow_run(f"{line}/{paths.run_id}", [*run_tags(cfg), "retrain"])
 

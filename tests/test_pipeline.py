@@ -402,7 +402,8 @@ def test_retrain_continues_line_and_moves_champion_only_if_better(
         experiment=EXPERIMENT,
         config={"storage": {"root": line["storage"]}, "tracking": {"uri": line["tracking"]}},
         overrides={
-            "launch.nproc_per_node": 1,
+            # The line's last run trained on 1 rank and saved FSDP degree 1: 2 ranks now.
+            "launch.nproc_per_node": 2,
             "launch.retry_delay_seconds": 0,
             "data.sources": [str(tmp_path / "newdata")],
             "data.validation_every": 5,
