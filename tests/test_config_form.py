@@ -13,6 +13,7 @@ from titan_core.config.form import (
     attribute_docstrings,
     flow_values,
     form_to_values,
+    markdown_safe,
 )
 from titan_core.config.job import JobConfig, Training
 from titan_core.config.manager import _schema, parse_args, to_dict
@@ -27,14 +28,26 @@ def test_form_has_every_section_and_field_with_help_and_no_default() -> None:
         fields = schema["$defs"][ref["$ref"].rsplit("/", 1)[-1]]["properties"]
         for name, field in fields.items():
             keys.append(f"{section}.{name}")
-            assert field["default"] is None and field["description"].endswith("."), name
+            # No default and no null type: an empty field shows as an empty input and is left
+            # out of the submitted value (the recipe's value stays); titled by its key.
+            if {"type": "boolean"} in field.get("anyOf", []):  # a switch: None = untouched
+                assert field["anyOf"] == [{"type": "boolean"}, {"type": "null"}], name
+                assert field["default"] is None, name
+            else:
+                assert "default" not in field and "anyOf" not in str(field), name
+            assert field["title"] == name and field["description"].endswith("."), name
     assert keys == list(_schema(JobConfig))
     docs = attribute_docstrings(Training)
     steps = schema["$defs"]["TrainingForm"]["properties"]["steps"]
-    assert steps["description"] == docs["steps"] + " Default: 100."
+    assert steps["type"] == "integer"
+    assert steps["description"] == docs["steps"] + " Default: 100 (empty: the recipe's value)."
     mix = schema["$defs"]["TrainingForm"]["properties"]["dataset_mix"]
-    assert mix["anyOf"][0] == {"items": {"type": "string"}, "type": "array"}
-    assert mix["examples"] == [[]] and "Default: []." in mix["description"]
+    assert mix["type"] == "array" and mix["items"] == {"type": "string"}
+    assert mix["examples"] == [[]] and "Default: [] " in mix["description"]
+    # Placeholders survive a markdown renderer (the Prefect UI's help text).
+    root = schema["$defs"]["StorageForm"]["properties"]["root"]["description"]
+    assert "`<root>/<experiment>/<run>/`" in root
+    assert markdown_safe("in <a>/<b>/, then <c>.") == "in `<a>/<b>/`, then `<c>`."
 
 
 def test_form_to_values_gives_only_the_fields_set() -> None:

@@ -15,6 +15,7 @@ import functools
 import inspect
 import itertools
 import json
+import re
 import textwrap
 import typing
 from collections.abc import Mapping
@@ -54,19 +55,55 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     return f.default
 
 
+_PLACEHOLDER_RE = re.compile(r"(\S*<[^<>\s]+>\S*?)([.,;:)]?(?:\s|$))")
+
+
+def markdown_safe(text: str) -> str:
+    """``text`` for a UI that renders help as markdown: words holding ``<placeholder>``s are put
+    in backticks (a bare ``<experiment>`` reads as an HTML tag and disappears)."""
+    return _PLACEHOLDER_RE.sub(lambda m: f"`{m.group(1)}`{m.group(2)}", text)
+
+
+def _plain_optional(schema: dict[str, Any]) -> None:
+    """JSON schema of an optional form field as its plain type, with no default: a form shows an
+    empty input of that type (not a type switch with null selected), and an empty field is left
+    out of the submitted value, which keeps the recipe's setting. Booleans stay nullable."""
+    if any(s.get("type") == "boolean" for s in schema.get("anyOf", [])):
+        # A switch has no empty state: a form would submit an untouched one as false. A boolean
+        # keeps its None choice (and its null default), so untouched means the recipe's value.
+        return
+    kinds = [s for s in schema.pop("anyOf", []) if s.get("type") != "null"]
+    if len(kinds) == 1:
+        schema.update(kinds[0])
+    elif kinds:
+        schema["anyOf"] = kinds
+    schema.pop("default", None)
+
+
 def _section_form(section: str, cls: type) -> type[BaseModel]:
-    """The form of one section: each field optional, described, engine default in examples."""
+    """The form of one section: each field optional, titled by its key, described by its
+    docstring and the engine default (also in ``examples``)."""
     hints = typing.get_type_hints(cls)
     docs = attribute_docstrings(cls)
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         default = _default(f)
         assert f.name in docs, f"{section}.{f.name} has no docstring"
-        help_text = f"{docs[f.name]} Default: {json.dumps(default)}."
-        field = Field(default=None, description=help_text, examples=[default])
+        help_text = (
+            f"{markdown_safe(docs[f.name])} Default: {json.dumps(default)} (empty: the recipe's "
+            "value)."
+        )
+        field = Field(
+            default=None,
+            title=f.name,
+            description=help_text,
+            examples=[default],
+            json_schema_extra=_plain_optional,
+        )
         fields[f.name] = (hints[f.name] | None, field)
+    config = ConfigDict(**_SECTION_CONFIG, title=section)
     return create_model(  # type: ignore[call-overload,no-any-return]
-        f"{cls.__name__}Form", __config__=_SECTION_CONFIG, __doc__=cls.__doc__, **fields
+        f"{cls.__name__}Form", __config__=config, __doc__=cls.__doc__, **fields
     )
 
 
@@ -78,11 +115,12 @@ def build_config_form(config_cls: type = JobConfig) -> type[BaseModel]:
     sections: dict[str, Any] = {}
     for f in dataclasses.fields(config_cls):
         form = _section_form(f.name, hints[f.name])
-        description = f"[{f.name}] {docs.get(f.name, '')}".strip()
-        sections[f.name] = (form, Field(default_factory=form, description=description))
+        description = markdown_safe(f"[{f.name}] {docs.get(f.name, '')}".strip())
+        field = Field(default_factory=form, title=f.name, description=description)
+        sections[f.name] = (form, field)
     return create_model(  # type: ignore[call-overload,no-any-return]
         "ConfigForm",
-        __config__=ConfigDict(extra="forbid"),
+        __config__=ConfigDict(extra="forbid", title="job config"),
         __doc__="Settings of the job; a field left empty keeps the recipe's value.",
         __module__=__name__,
         **sections,
