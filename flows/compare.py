@@ -8,11 +8,10 @@ run under another (e.g. a sweep's), so comparing does not clutter the experiment
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 
 from tasks.compare import compare_runs
+from titan_core.pipeline.compare import Comparison
 
 
 @flow(name="compare", log_prints=True)
@@ -23,7 +22,7 @@ def compare(
     max_runs: int = 10,
     log: bool = False,
     parent_run_id: str = "",
-) -> dict[str, Any]:
+) -> Comparison:
     """Compare runs of ``experiment`` (chosen ids/names, else the newest ``max_runs``).
 
     Args:

@@ -24,7 +24,7 @@ def _preflight(experiment: str, tracking_uri: str) -> None:
     """One-line errors before Prefect starts: the server answers, the experiment exists."""
     from mlflow import MlflowClient
 
-    from tasks.tracking import check_tracking
+    from titan_core.pipeline.tracking import check_tracking
 
     check_tracking(tracking_uri)
     if MlflowClient(tracking_uri=tracking_uri).get_experiment_by_name(experiment) is None:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from flows.cli import prepare_prefect_env
 
     prepare_prefect_env()
-    from tasks.compare import default_tracking_uri
+    from titan_core.pipeline.compare import default_tracking_uri
 
     uri = ns.tracking_uri or default_tracking_uri()
     try:
@@ -71,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if ns.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result.to_dict(), indent=2))
         return 0
-    print(result["table_markdown"])  # the image is in the Prefect artifact (and MLflow's, logged)
-    if result["compare_run_id"]:
-        print(f"MLflow: run {result['compare_run_id']} in {result['tracking_uri']}")
+    print(result.table_markdown)  # the image is in the Prefect artifact (and MLflow's, logged)
+    if result.compare_run_id:
+        print(f"MLflow: run {result.compare_run_id} in {result.tracking_uri}")
     else:
         print("Not recorded in MLflow (--log records it).")
     return 0

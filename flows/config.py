@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tasks.storage import RunPaths, absolute
 from titan_core.config.job import JobConfig
+from titan_core.pipeline.storage import RunPaths, absolute
 
 
 def run_config(cfg: JobConfig, paths: RunPaths, tokenizer_url: str) -> JobConfig:

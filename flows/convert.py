@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import flow
 
 from tasks.convert import convert_to_hf
-from tasks.storage import absolute
 from titan_core import storage
+from titan_core.pipeline.storage import absolute
 
 
 def run_config_url(checkpoint: str) -> str:

@@ -63,9 +63,9 @@ def build_demo_parser() -> OneLineParser:
 
 def _demo(ns: argparse.Namespace, overrides: list[str]) -> int:
     home = prepare_prefect_env()  # before anything imports Prefect: it reads settings once
-    from tasks.runs import latest_checkpoint
-    from tasks.storage import absolute
     from titan_core.config.resolve import cli_values, resolve_job
+    from titan_core.pipeline.model_line import latest_checkpoint
+    from titan_core.pipeline.storage import absolute
 
     if not ns.raw_text:
         from titan_core.data import ensure_assets
@@ -87,7 +87,7 @@ def _demo(ns: argparse.Namespace, overrides: list[str]) -> int:
         from flows.retrain import retrain
 
         print(
-            f"demo: continuing from {latest['step_dir']} for {cfg.training.steps} more steps "
+            f"demo: continuing from {latest.step_dir} for {cfg.training.steps} more steps "
             "(promoted only if the eval loss improves)"
         )
         result = retrain(steps=cfg.training.steps, experiment=cfg.job.experiment, overrides=values)

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 
 from tasks import evaluate as eval_tasks
-from tasks.storage import absolute
+from titan_core.pipeline.evaluation import Evaluation
+from titan_core.pipeline.storage import absolute
 
 
 @flow(name="evaluate")
 def evaluate(
     checkpoint: str, config_file: str = "", output: str = "", max_batches: int = 0
-) -> dict[str, Any]:
+) -> Evaluation:
     """Evaluate ``checkpoint`` (step dir, checkpoint folder or run folder) and write its report
     to ``<output or run>/eval/``; the job config defaults to the run's ``config.toml``.
-    Returns ``{"report_url", "step", "checkpoint", "metrics"}``."""
+    Returns the metrics, the evaluated step and checkpoint, and the report's URL."""
     return eval_tasks.evaluate(
         checkpoint, config_file, output=absolute(output) if output else "", max_batches=max_batches
     )

@@ -14,7 +14,8 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
-from tasks.parity import common_args, parity_rows, plan_layouts, train_layout, write_seed_checkpoint
+from tasks.parity import train_layout, write_seed_checkpoint
+from titan_core.pipeline.parity import common_args, parity_rows, plan_layouts
 
 # The tiny debug Llama of the parity tests: 4 layers split across up to 2 pipeline stages x 2.
 DEFAULT_BASE = ["--module", "llama3", "--config", "llama3_debugmodel_tiny", "--model.n_layers", "4"]

@@ -8,6 +8,7 @@ fails at its own stage, before anything is trained.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -16,28 +17,30 @@ from prefect import flow
 from flows.config import run_config
 from flows.naming import name_flow_run, run_tags
 from tasks.convert import convert_to_hf
-from tasks.data import (
-    PreparedData,
-    is_stored,
-    prepare_data,
-    prepare_params,
-    record_dataset,
-    train_on,
-)
+from tasks.data import prepare_data
 from tasks.evaluate import evaluate
 from tasks.preflight import preflight
 from tasks.publish import publish
 from tasks.runs import prepare_storage, start_tracking
-from tasks.seed import create_seed_checkpoint, is_complete, seed_identity
-from tasks.storage import RunPaths, absolute, new_run_id
-from tasks.tokenizer import download_tokenizer, tokenizer_source
-from tasks.tracking import TrackingContext, end_pipeline_run
+from tasks.seed import create_seed_checkpoint
+from tasks.tokenizer import download_tokenizer
 from tasks.train import train, upload_run_files
 from titan_core import storage
 from titan_core.config.form import ConfigForm, flow_values
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import to_toml
 from titan_core.config.resolve import resolve_job
+from titan_core.pipeline.data import (
+    PreparedData,
+    is_stored,
+    prepare_params,
+    record_dataset,
+    train_on,
+)
+from titan_core.pipeline.seed import is_complete, seed_identity
+from titan_core.pipeline.storage import RunPaths, absolute, new_run_id
+from titan_core.pipeline.tokenizer import tokenizer_source
+from titan_core.pipeline.tracking import TrackingContext, end_pipeline_run
 
 
 def cached(task_fn: Any, valid: Callable[[Any], bool], **kwargs: Any) -> Any:
@@ -61,17 +64,18 @@ def train_and_publish(
     *,
     seed_url: str,
 ) -> dict[str, Any]:
-    """Train the run's stored config, upload its files, export, evaluate and publish."""
+    """Train the run's stored config, upload its files, export, evaluate and publish; returns
+    the publication's fields (``Publication``) and the tracking URI as plain data."""
     checkpoint = train_with_retries(cfg)(paths.config, seed_url, tracking)
     upload_run_files(paths.config)
     hf_url = convert_to_hf(checkpoint, paths.config, tracking=tracking)
     evaluation = evaluate(
         checkpoint, paths.config, max_batches=cfg.evaluate.batches, tracking=tracking
     )
-    summary = publish(
+    published = publish(
         paths.run_root, checkpoint, hf_url, evaluation, tracking, cfg.tracking.registered_model
     )
-    return {**summary, "tracking_uri": tracking.uri if tracking else ""}
+    return dataclasses.asdict(published) | {"tracking_uri": tracking.uri if tracking else ""}
 
 
 def prepare_stage(cfg: JobConfig, paths: RunPaths, tokenizer_url: str) -> PreparedData | None:
@@ -149,17 +153,17 @@ def pretrain_pipeline(
         job = run_config(cfg, paths, tokenizer_url)
         if prepared is not None:
             job = train_on(job, prepared)
-        summary = preflight(to_toml(job), paths.config)
+        checked = preflight(to_toml(job), paths.config)
         seed_url = cached(
             create_seed_checkpoint,
             is_complete,
             config_url=paths.config,
-            identity=seed_identity(job, summary["model_args"]),
+            identity=seed_identity(job, checked.model_args),
         )
         result = train_and_publish(job, paths, tracking, seed_url=seed_url) | {
             "tokenizer": tokenizer_url,
             "seed": seed_url,
-            "preflight": summary,
+            "preflight": dataclasses.asdict(checked),
         }
         return result | (prepared.summary() if prepared else {})
 

@@ -21,20 +21,21 @@ from prefect import flow
 from flows.config import run_config
 from flows.naming import name_flow_run, run_tags
 from flows.pipeline import prepare_stage, run_tracked, train_and_publish
-from tasks.data import dataset_grew, train_on
 from tasks.preflight import preflight
 from tasks.runs import find_latest_checkpoint, prepare_storage
-from tasks.storage import RunPaths, absolute, configure_credentials, new_run_id
-from tasks.tracking import TrackingContext
 from titan_core.config.form import ConfigForm, flow_values
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import to_toml
 from titan_core.config.resolve import resolve_job
+from titan_core.pipeline.data import dataset_grew, train_on
+from titan_core.pipeline.model_line import CheckpointInfo
+from titan_core.pipeline.storage import RunPaths, absolute, configure_credentials, new_run_id
+from titan_core.pipeline.tracking import TrackingContext
 
 
 def continued_config(
     cfg: JobConfig,
-    latest: dict[str, Any],
+    latest: CheckpointInfo,
     previous: JobConfig,
     steps: int,
     *,
@@ -42,7 +43,7 @@ def continued_config(
 ) -> JobConfig:
     """``cfg`` loading ``latest`` and training ``steps`` steps past it (``new_data``: the same
     prepared dataset grew since, so training continues on all of it)."""
-    model_only = latest["model_only"]
+    model_only = latest.model_only
     excluded = list(cfg.checkpoint.exclude_from_loading)
     changed = new_data or cfg.training.dataset != previous.training.dataset
     if changed and "dataloader" not in excluded:
@@ -50,11 +51,11 @@ def continued_config(
     return dataclasses.replace(
         cfg,
         training=dataclasses.replace(
-            cfg.training, steps=(0 if model_only else latest["step"]) + steps
+            cfg.training, steps=(0 if model_only else latest.step) + steps
         ),
         checkpoint=dataclasses.replace(
             cfg.checkpoint,
-            initial_load_path=latest["step_dir"],
+            initial_load_path=latest.step_dir,
             initial_load_model_only=model_only,
             exclude_from_loading=excluded,
         ),
@@ -98,10 +99,10 @@ def retrain(
     line = experiment or base.job.experiment
     configure_credentials(base.storage.credentials_block)
     latest = find_latest_checkpoint(root, line)
-    previous = resolve_job("", latest["config_url"])
+    previous = resolve_job("", latest.config_url)
     cfg = resolve_job(
         "",
-        config_file or latest["config_url"],
+        config_file or latest.config_url,
         {**values, "storage.root": root, "job.experiment": line},
     )
     if "parallelism.data_parallel_shard_degree" not in values:
@@ -120,11 +121,11 @@ def retrain(
         job = run_config(cfg, paths, cfg.tokenizer.path)
         if prepared is not None:
             job = train_on(job, prepared)
-        grew = prepared is not None and dataset_grew(latest["run_root"], prepared)
+        grew = prepared is not None and dataset_grew(latest.run_root, prepared)
         job = continued_config(job, latest, previous, steps, new_data=grew)
         preflight(to_toml(job), paths.config)
         result = train_and_publish(job, paths, tracking, seed_url="")
         extra = (prepared.summary() | {"dataset_grew": grew}) if prepared else {}
-        return result | {"continued_from": latest["step_dir"], **extra}
+        return result | {"continued_from": latest.step_dir, **extra}
 
     return run_tracked(cfg, paths, body, parent_run_id)

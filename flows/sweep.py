@@ -18,15 +18,15 @@ from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.naming import name_flow_run
-from tasks.common import run_logger
-from tasks.storage import new_run_id
 from tasks.sweep import compare_trials, start_sweep_tracking
-from tasks.tracking import end_pipeline_run
 from titan_core.config.form import ConfigForm, flow_values
 from titan_core.config.resolve import resolve_job
 from titan_core.errors import ConfigError, TitanError, first_line
+from titan_core.pipeline.common import run_logger
+from titan_core.pipeline.storage import new_run_id
 from titan_core.pipeline.sweep import SweepError, SweepPlan, Trial, TrialOutcome, plan_sweep
 from titan_core.pipeline.sweep_report import SweepResult, format_table
+from titan_core.pipeline.tracking import end_pipeline_run
 
 PIPELINE_FLOW = "pretrain_pipeline"
 

@@ -1,18 +1,11 @@
-"""Prefect glue every task shares: the retry condition. The rest lives in
-``titan_core.pipeline.common`` (re-exported here for the tasks' imports)."""
+"""Prefect glue every task shares: the retry condition (what it retries is decided by the
+exception; what tasks call lives in ``titan_core.pipeline``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from titan_core.errors import TitanError
-from titan_core.pipeline.common import (  # noqa: F401  (re-exports)
-    load_config,
-    mask_params,
-    redact,
-    register_secret,
-    run_logger,
-)
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:

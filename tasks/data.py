@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from flows.runners import api_for_workers, task_runner
-from tasks.common import redact, retry_transient, run_logger
+from tasks.common import retry_transient
 from titan_core.data.prepare import (
     PrepareSpec,
     Unit,
@@ -27,18 +27,14 @@ from titan_core.data.prepare import (
     tokenize_unit,
 )
 from titan_core.data.shards import ShardInfo
-from titan_core.pipeline.data import (  # noqa: F401  (re-exports for the flows)
+from titan_core.pipeline.common import redact, run_logger
+from titan_core.pipeline.data import (
     PreparedData,
     credentials_once,
-    dataset_grew,
-    is_stored,
     prepare_cache_key,
-    prepare_params,
     prepared_summary,
-    record_dataset,
     shard_run_label,
     shard_threads,
-    train_on,
 )
 
 # Shard workers import this module to unpickle tokenize_shard: what the parent alone needs (run

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from titan_core.pipeline.parity import (  # noqa: F401  (re-exports for flows/parity.py)
-    Layout,
-    common_args,
-    parity_rows,
-    plan_layouts,
-    train_parity_layout,
-    write_parity_seed,
-)
+from titan_core.pipeline.parity import LayoutLosses, train_parity_layout, write_parity_seed
 
 
 @task(task_run_name="parity-seed")
@@ -29,11 +22,11 @@ def train_layout(
     output: str,
     steps: int,
     timeout: float = 600,
-) -> dict[int, float]:
-    """Train one layout from the seed checkpoint under torchrun; returns {step: loss}."""
+) -> LayoutLosses:
+    """Train one layout from the seed checkpoint under torchrun; returns its per-step losses."""
     logger = get_run_logger()
-    losses = train_parity_layout(
+    result = train_parity_layout(
         name, nproc, args, seed, output, steps, on_line=logger.info, timeout=timeout
     )
-    logger.info("layout %s: final loss %.6f", name, losses[steps])
-    return losses
+    logger.info("layout %s: final loss %.6f", name, result.final)
+    return result

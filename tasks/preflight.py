@@ -1,121 +1,26 @@
-"""``preflight``: everything that can reject a run, checked before any process is launched.
-
-The resolved config is validated (types, ranges, degrees against the world size, the launcher's
-own constraints), a fake-backend dry run builds, parallelizes and steps the model for the target
-world size in this process (``comm.mode=fake_backend``), and the estimated per-rank peak is held
-against ``launch.device_memory_gib`` (or the GPU's capacity). Only then is the run's
-``config.toml`` written.
-"""
+"""``preflight``: everything that can reject a run, checked before any process is launched
+(``titan_core.pipeline.preflight`` does the work)."""
 
 from __future__ import annotations
-
-import dataclasses
-import os
-import tempfile
-from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.common import load_config, redact, run_logger
-from titan_core import storage
-from titan_core.config.job import JobConfig
-from titan_core.errors import ConfigError
-
-_GIB = 2**30
-
-
-def parse_config_text(config_toml: str) -> JobConfig:
-    """Validate a TOML config text exactly as the trainer will read it."""
-    with tempfile.TemporaryDirectory(prefix="titan-preflight-") as tmp:
-        path = os.path.join(tmp, "config.toml")
-        with open(path, "w") as f:
-            f.write(config_toml)
-        return load_config(path)
-
-
-def device_memory_bytes(cfg: JobConfig) -> int:
-    """The per-device budget: ``launch.device_memory_gib``, else the GPU's, else 0 (no check)."""
-    if cfg.launch.device_memory_gib > 0:
-        return int(cfg.launch.device_memory_gib * _GIB)
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return 0
-
-
-def dry_run(cfg: JobConfig, world_size: int) -> Any:
-    """A fake-backend dry run at ``world_size`` in this process: the model built and
-    parallelized on fake process groups, one training step on fake tensors (a real data batch
-    included); returns the memory/FLOPs estimate of that layout."""
-    from titan_core.comm_mode import dry_run as fake_backend_dry_run
-    from titan_core.estimate import estimate
-
-    fake = dataclasses.replace(
-        cfg, comm=dataclasses.replace(cfg.comm, mode="fake_backend", fake_world_size=world_size)
-    )
-    report = fake_backend_dry_run(fake)
-    run_logger().info(
-        "Fake-backend dry run at world size %d: one step in %.2fs, rank 0 holds %s parameters",
-        world_size,
-        report.step_seconds,
-        f"{report.step.num_params:,}",
-    )
-    return report.estimate if report.estimate is not None else estimate(cfg, world_size)
-
-
-def check_memory(cfg: JobConfig, est: Any) -> None:
-    """``ConfigError`` when the estimated per-rank peak exceeds the device budget."""
-    from titan_core.estimate import fits
-
-    budget = device_memory_bytes(cfg)
-    if budget and not fits(est.memory, budget):
-        raise ConfigError(
-            f"launch.device_memory_gib: the estimated peak of {est.memory.peak / _GIB:.2f} GiB "
-            f"per rank does not fit in {budget / _GIB:.2f} GiB; lower training.local_batch_size, "
-            "enable activation_checkpoint.mode or use more ranks"
-        )
+from titan_core.pipeline.common import redact, run_logger
+from titan_core.pipeline.preflight import Preflight, run_preflight
 
 
 @task(name="preflight", cache_policy=NO_CACHE)
-def preflight(config_toml: str, config_url: str) -> dict[str, Any]:
-    """Validate the run's config at its world size, then store it at ``config_url`` with its
-    auto values resolved (``titan_core.build.resolve_auto``): the config the ranks load.
-
-    Returns a summary: world size, parameters, estimated peak memory, model args.
-    """
-    from titan_core.build import resolve_auto
-    from titan_core.config.manager import to_toml
-    from titan_core.launch import get_launcher
-
-    logger = run_logger()
-    parsed = parse_config_text(config_toml)
-    world_size = parsed.launch.nnodes * parsed.launch.nproc_per_node
-    get_launcher(parsed.launch).probe()  # backend settings, and its tools on this machine
-    cfg = resolve_auto(parsed, world_size)  # what the ranks will run: no "auto" -1 left
-    est = dry_run(cfg, world_size)
-    check_memory(cfg, est)
-    if cfg.training.dataset == "titan_corpus":
-        from titan_core.data import ensure_assets
-
-        ensure_assets()  # the bundled corpus, on a fresh machine too (seconds, then cached)
-    storage.write_text_atomic(config_url, to_toml(cfg))
-    summary = {
-        "config_url": config_url,
-        "world_size": world_size,
-        "num_params": est.layout.num_params,
-        "vocab_size": est.layout.model_args.vocab_size,
-        "peak_memory_gib": est.memory.peak / _GIB,
-        "flops_per_step": est.flops.total_flops,
-        "model_args": dataclasses.asdict(est.layout.model_args),
-    }
-    logger.info(
+def preflight(config_toml: str, config_url: str) -> Preflight:
+    """Validate the run's config at its world size (a fake-backend dry run, the memory budget),
+    then store it at ``config_url`` with its auto values resolved: the config the ranks load."""
+    summary = run_preflight(config_toml, config_url)
+    run_logger().info(
         "Preflight passed: %s parameters, world size %d, estimated peak %.3f GiB per rank; "
         "config at %s",
-        f"{summary['num_params']:,}",
-        world_size,
-        summary["peak_memory_gib"],
+        f"{summary.num_params:,}",
+        summary.world_size,
+        summary.peak_memory_gib,
         redact(config_url),
     )
     return summary

@@ -6,18 +6,17 @@ server that does not answer fail here, with one line, before anything is trained
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.common import redact, retry_transient, run_logger
-from tasks.storage import RunPaths, check_storage, configure_credentials, refresh
-from tasks.tracking import TrackingContext, start_pipeline_run
+from tasks.common import retry_transient
 from titan_core import storage
-from titan_core.checkpoint.manager import complete_steps, read_marker
 from titan_core.config.job import JobConfig
 from titan_core.errors import CheckpointError
+from titan_core.pipeline.common import redact, run_logger
+from titan_core.pipeline.model_line import CheckpointInfo, latest_checkpoint
+from titan_core.pipeline.storage import RunPaths, check_storage, configure_credentials
+from titan_core.pipeline.tracking import TrackingContext, start_pipeline_run
 
 
 @task(name="prepare_storage", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_transient)
@@ -45,44 +44,13 @@ def start_tracking(cfg: JobConfig, paths: RunPaths, parent_run_id: str = "") -> 
     return ctx
 
 
-def _complete_checkpoints(run_root: str) -> list[dict[str, Any]]:
-    folder = storage.join(run_root, "checkpoint")
-    found = []
-    for step in complete_steps(folder):
-        step_dir = storage.join(folder, f"step-{step}")
-        marker = read_marker(step_dir) or {}
-        found.append(
-            {
-                "step_dir": step_dir,
-                "run_root": run_root,
-                "step": step,
-                "model_only": bool(marker.get("model_only", False)),
-                "time": float(marker.get("time", 0.0)),
-                "config_url": storage.join(run_root, "config.toml"),
-            }
-        )
-    return found
-
-
-def latest_checkpoint(root: str, experiment: str) -> dict[str, Any] | None:
-    """The newest complete checkpoint of any run under ``<root>/<experiment>/`` (by commit
-    time), or None: ``step_dir``, ``run_root``, ``step``, ``model_only``, ``time``,
-    ``config_url``."""
-    line = storage.join(root, experiment)
-    refresh(line)
-    candidates = [
-        c for run in storage.list_dirs(line) for c in _complete_checkpoints(storage.join(line, run))
-    ]
-    return max(candidates, key=lambda c: (c["time"], c["step"])) if candidates else None
-
-
 @task(
     name="find_latest_checkpoint",
     cache_policy=NO_CACHE,
     retries=2,
     retry_condition_fn=retry_transient,
 )
-def find_latest_checkpoint(root: str, experiment: str) -> dict[str, Any]:
+def find_latest_checkpoint(root: str, experiment: str) -> CheckpointInfo:
     """``latest_checkpoint`` as a task; ``CheckpointError`` when the model line has none."""
     latest = latest_checkpoint(root, experiment)
     if latest is None:
@@ -90,5 +58,5 @@ def find_latest_checkpoint(root: str, experiment: str) -> dict[str, Any]:
             f"retrain: no complete checkpoint under {redact(storage.join(root, experiment))}; "
             "run the pretrain pipeline for this experiment first"
         )
-    run_logger().info("Newest checkpoint of %s: %s", experiment, redact(latest["step_dir"]))
+    run_logger().info("Newest checkpoint of %s: %s", experiment, redact(latest.step_dir))
     return latest

@@ -8,13 +8,9 @@ from typing import Any
 from prefect import task
 from prefect.tasks import exponential_backoff
 
-from tasks.common import redact, retry_transient, run_logger
-from titan_core.pipeline.seed import (  # noqa: F401  (is_complete, seed_identity: re-exports)
-    is_complete,
-    seed_cache_key,
-    seed_identity,
-    write_seed_checkpoint,
-)
+from tasks.common import retry_transient
+from titan_core.pipeline.common import redact, run_logger
+from titan_core.pipeline.seed import seed_cache_key, write_seed_checkpoint
 
 
 def _cache_key(context: Any, params: dict[str, Any]) -> str:

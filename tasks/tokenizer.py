@@ -8,12 +8,9 @@ from typing import Any
 from prefect import task
 from prefect.tasks import exponential_backoff
 
-from tasks.common import redact, retry_transient, run_logger
-from titan_core.pipeline.tokenizer import (  # noqa: F401  (tokenizer_source: re-export)
-    store_tokenizer,
-    tokenizer_cache_key,
-    tokenizer_source,
-)
+from tasks.common import retry_transient
+from titan_core.pipeline.common import redact, run_logger
+from titan_core.pipeline.tokenizer import store_tokenizer, tokenizer_cache_key
 
 
 def _cache_key(context: Any, params: dict[str, Any]) -> str:

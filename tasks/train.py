@@ -16,12 +16,13 @@ import shutil
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.common import load_config, redact, retry_transient, run_logger
-from tasks.storage import refresh, upload_folder
-from tasks.tracking import TrackingContext, log_config, stage_run
+from tasks.common import retry_transient
 from titan_core import storage
 from titan_core.checkpoint.manager import complete_steps
+from titan_core.pipeline.common import load_config, redact, run_logger
 from titan_core.pipeline.params import record_seed
+from titan_core.pipeline.storage import refresh, upload_folder
+from titan_core.pipeline.tracking import TrackingContext, log_config, stage_run
 
 # Fault-injection hooks (see titan_core/checkpoint/manager.py) model a transient failure: they
 # apply to the first attempt only, so that a retry can show the recovery.

@@ -1,4 +1,4 @@
-"""`compare_runs` / `titan compare`: real MLflow runs (SQLite) → table, differing keys, PNG.
+"""`compare_experiment` / `titan compare`: real MLflow runs (SQLite) → table, differing keys, PNG.
 
 The runs are logged the way the pipeline logs them: a parent run with the flattened resolved
 config as params, a nested train run whose per-step metrics come from the trainer's own
@@ -17,8 +17,8 @@ from mlflow import MlflowClient
 from tracking_data import log_pipeline_run
 
 from flows.main import main as titan_main
-from tasks.compare import PLOT_NAME, compare_experiment, summarize_run
 from titan_core.errors import ConfigError
+from titan_core.pipeline.compare import PLOT_NAME, compare_experiment, summarize_run
 
 EXPERIMENT = "cmp-test"
 BASE = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]

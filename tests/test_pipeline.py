@@ -302,9 +302,9 @@ def test_convert_and_evaluate_flows_on_a_stored_checkpoint(first_run: dict, tmp_
     assert hf == str(tmp_path / "hf") and config["torch_dtype"] == "float32"
     assert (Path(hf) / "model.safetensors.index.json").exists()
     report = evaluate(checkpoint=step2, output=str(tmp_path / "eval"), max_batches=2)
-    assert report["step"] == 2 and report["checkpoint"] == step2
+    assert report.step == 2 and report.checkpoint == step2
     saved = json.loads((tmp_path / "eval" / "eval" / "report.json").read_text())
-    assert saved["metrics"]["loss"] == report["metrics"]["loss"]
+    assert saved["metrics"]["loss"] == report.metrics["loss"]
 
 
 # ------------------------------------------------------------------ second run: cache and faults

@@ -22,7 +22,7 @@ from titan_core.errors import ConfigError
 def test_upload_is_retried_across_an_s3_restart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tasks.storage import upload_folder
+    from titan_core.pipeline.storage import upload_folder
 
     s3 = start_restartable_s3(tmp_path / "s3")
     try:
@@ -244,8 +244,8 @@ def test_s3_credentials_from_a_prefect_secret_block(
 
     from prefect.blocks.system import Secret
 
-    from tasks.common import redact
-    from tasks.storage import StorageError, check_storage, configure_credentials
+    from titan_core.pipeline.common import redact
+    from titan_core.pipeline.storage import StorageError, check_storage, configure_credentials
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)

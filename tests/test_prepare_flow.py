@@ -16,7 +16,8 @@ import pytest
 from pipeline_helpers import run_flow, task_runs
 from prefect import flow
 
-from tasks.data import PreparedData, prepare_data
+from tasks.data import prepare_data
+from titan_core.pipeline.data import PreparedData
 
 pytestmark = pytest.mark.multiprocess
 DOCS_PER_FILE = 30
@@ -213,8 +214,9 @@ def test_retrain_drops_the_data_position_only_when_the_dataset_grew(tmp_path: Pa
     import dataclasses
 
     from flows.retrain import continued_config
-    from tasks.data import dataset_grew, record_dataset
     from titan_core.config.resolve import resolve_job
+    from titan_core.pipeline.data import dataset_grew, record_dataset
+    from titan_core.pipeline.model_line import CheckpointInfo
 
     prepared = PreparedData(
         url=str(tmp_path / "data" / "0123456789abcdef"),
@@ -232,7 +234,14 @@ def test_retrain_drops_the_data_position_only_when_the_dataset_grew(tmp_path: Pa
     assert dataset_grew(run_root, grown)
     assert not dataset_grew(run_root, dataclasses.replace(grown, url=str(tmp_path / "other")))
     cfg = resolve_job("llama3_debugmodel_tiny", "", {"training.dataset": prepared.url})
-    latest = {"model_only": False, "step": 6, "step_dir": f"{run_root}/checkpoint/step-6"}
+    latest = CheckpointInfo(
+        step_dir=f"{run_root}/checkpoint/step-6",
+        run_root=run_root,
+        step=6,
+        model_only=False,
+        time=0.0,
+        config_url=f"{run_root}/config.toml",
+    )
     same = continued_config(cfg, latest, cfg, 2)
     assert "dataloader" not in same.checkpoint.exclude_from_loading and same.training.steps == 8
     more = continued_config(cfg, latest, cfg, 2, new_data=True)

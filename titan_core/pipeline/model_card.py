@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.pipeline.common import load_config, redact
+from titan_core.pipeline.evaluation import Evaluation
 
 CARD = "README.md"
 
@@ -193,13 +193,13 @@ def export_facts(
     run_root: str,
     checkpoint_url: str,
     hf_url: str,
-    evaluation: dict[str, Any],
+    evaluation: Evaluation,
     recipe: str = "",
     registered_model: str = "",
 ) -> ExportFacts:
     """The facts about an export, read from the run's stored config, the export's
     ``config.json`` and the final checkpoint's commit marker; ``evaluation`` is the evaluate
-    stage's result (``step``, ``metrics``)."""
+    stage's result."""
     from titan_core.checkpoint.manager import read_marker
 
     cfg = load_config(storage.join(run_root, "config.toml"))
@@ -214,7 +214,7 @@ def export_facts(
         family=cfg.model.name,
         flavor=cfg.model.flavor,
         dataset=redact(training_data(cfg)),
-        steps=int(evaluation["step"]),
+        steps=evaluation.step,
         tokens=tokens_trained(cfg),
         seq_len=cfg.training.seq_len,
         export_url=redact(os.path.abspath(hf_url) if local else hf_url),
@@ -222,7 +222,7 @@ def export_facts(
         checkpoint_url=redact(checkpoint_url),
         checkpoint_dtype=stored,
         eval_compute_dtype=compute,
-        eval_metrics={k: float(v) for k, v in evaluation["metrics"].items()},
+        eval_metrics={k: float(v) for k, v in evaluation.metrics.items()},
         registered_model=registered_model,
     )
 

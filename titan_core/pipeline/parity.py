@@ -33,6 +33,21 @@ class Layout:
     dp: int
 
 
+@dataclass(frozen=True)
+class LayoutLosses:
+    """The training losses of one layout's parity run."""
+
+    name: str
+    """The layout's name."""
+    losses: dict[int, float]
+    """Training loss at every step, 1 to ``training.steps``."""
+
+    @property
+    def final(self) -> float:
+        """The last step's loss."""
+        return self.losses[max(self.losses)]
+
+
 def common_args(steps: int, seq_len: int, streams: int) -> list[str]:
     """Overrides every parity run shares: deterministic, fixed data streams, log every step."""
     return [
@@ -123,8 +138,8 @@ def train_parity_layout(
     steps: int,
     on_line: Callable[[str], None],
     timeout: float = 600,
-) -> dict[int, float]:
-    """Train one layout from the seed checkpoint under torchrun; returns {step: loss}."""
+) -> LayoutLosses:
+    """Train one layout from the seed checkpoint under torchrun; returns its per-step losses."""
     from titan_core.config.job import Launch
     from titan_core.launch import LaunchSpec, get_launcher
 
@@ -144,16 +159,17 @@ def train_parity_layout(
     losses = {int(r["step"]): float(r["loss"]) for r in rows if "loss" in r}
     if sorted(losses) != list(range(1, steps + 1)):
         raise RuntimeError(f"layout {name!r} logged steps {sorted(losses)}, expected 1..{steps}")
-    return losses
+    return LayoutLosses(name, losses)
 
 
 def parity_rows(
-    layouts: list[Layout], losses: list[dict[int, float]], rtol: float
+    layouts: list[Layout], losses: list[LayoutLosses], rtol: float
 ) -> list[dict[str, Any]]:
     """One row per layout: its worst relative loss difference to the first layout, pass/fail."""
-    ref = losses[0]
+    ref = losses[0].losses
     rows = []
-    for layout, got in zip(layouts, losses):
+    for layout, run in zip(layouts, losses):
+        got = run.losses
         worst_step = max(ref, key=lambda s: abs(got[s] - ref[s]) / abs(ref[s]))
         worst = abs(got[worst_step] - ref[worst_step]) / abs(ref[worst_step])
         rows.append(
@@ -162,7 +178,7 @@ def parity_rows(
                 "nproc": layout.nproc,
                 "dp": layout.dp,
                 "overrides": " ".join(layout.overrides) or "(none)",
-                "final_loss": got[max(got)],
+                "final_loss": run.final,
                 "max_rel_diff": worst,
                 "worst_step": worst_step,
                 "ok": worst <= rtol,

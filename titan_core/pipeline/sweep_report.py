@@ -1,7 +1,8 @@
 """The comparison of a sweep's trials, as people read it in MLflow, Prefect and the console:
 one row per trial, the best one, charts of the metric against each swept key.
 
-No orchestrator and no MLflow here: the rows are filled from MLflow by ``tasks.sweep``.
+No orchestrator and no MLflow here: the rows are filled from MLflow by
+``titan_core.pipeline.sweep_tracking``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""MLflow helpers: one experiment per ``job.experiment``, a parent run per pipeline run and a
-nested run per stage.
+"""MLflow tracking of pipeline runs: one experiment per ``job.experiment``, a parent run per
+pipeline run and a nested run per stage.
 
 The params of the parent run and of its train stage run are the run's stored ``config.toml``
 (auto values resolved by preflight, secrets masked), logged once that config is final; tags carry
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.common import mask_params, redact
-from tasks.storage import RunPaths, absolute
 from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.errors import TitanError
+from titan_core.pipeline.common import mask_params, redact
 from titan_core.pipeline.params import config_params
+from titan_core.pipeline.storage import RunPaths, absolute
 
 PARENT_STAGE = "pipeline"
 STAGE_TAG = "titan.stage"
@@ -89,7 +89,9 @@ def client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
-def _artifact_location(cfg: JobConfig, uri: str) -> str | None:
+def artifact_location(cfg: JobConfig, uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: ``tracking.artifact_location``, else the
+    storage root's ``mlflow-artifacts/`` (None on a tracking server: the server decides)."""
     if cfg.tracking.artifact_location:
         return cfg.tracking.artifact_location
     if uri.startswith(("http://", "https://")):
@@ -113,7 +115,7 @@ def ensure_experiment(mlflow_client: Any, name: str, artifact_location: str | No
 
 def git_commit() -> str:
     """The commit of the project's checkout, read from ``.git`` (no git binary); or unknown."""
-    git = Path(__file__).resolve().parents[1] / ".git"
+    git = Path(__file__).resolve().parents[2] / ".git"
     try:
         head = (git / "HEAD").read_text().strip()
         if not head.startswith("ref: "):
@@ -186,7 +188,7 @@ def start_pipeline_run(
     try:
         mlflow_client = client(uri)
         experiment_id = ensure_experiment(
-            mlflow_client, cfg.job.experiment, _artifact_location(cfg, uri)
+            mlflow_client, cfg.job.experiment, artifact_location(cfg, uri)
         )
         run = mlflow_client.create_run(
             experiment_id,

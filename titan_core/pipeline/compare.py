@@ -1,0 +1,333 @@
+"""Compare MLflow runs of one experiment: a summary table, the config keys that differ, loss curves.
+
+``compare_experiment`` is plain MLflow (no orchestrator); the ``compare_runs`` task
+(``tasks/compare.py``) wraps it and publishes the result as Prefect table and markdown artifacts.
+The markdown embeds the loss-curve PNG as a ``data:`` URI, so it renders in the Prefect UI and
+MLflow's artifact viewer.
+Only when asked (``log``) or nested under a given run (``parent_run_id``, e.g. a sweep's) is the
+comparison logged as an MLflow run (tag ``titan.stage=compare``, never compared itself):
+``loss_curves.png``, ``comparison.md`` and ``comparison.json``; a plain ``titan compare`` leaves
+the experiment as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from titan_core.config.job import JobConfig
+from titan_core.errors import ConfigError
+from titan_core.pipeline.report import markdown_image
+from titan_core.pipeline.tracking import STAGE_TAG, check_tracking, resolve_tracking_uri
+
+# Metric names on MLflow (the train stage run and the pipeline run alike; the eval stage).
+LOSS_KEY, TPS_KEY, MFU_KEY = "train/loss", "train/tps", "train/mfu_pct"
+PERPLEXITY_KEY = "eval/perplexity"
+# Runs logged before the train/ prefix called the train stage's metrics by their bare names.
+_LEGACY = {LOSS_KEY: "loss", TPS_KEY: "tps", MFU_KEY: "mfu_pct"}
+COMPARE_STAGE = "compare"  # runs tagged titan.stage=compare are this module's own output
+PARENT_TAG = "mlflow.parentRunId"
+PLOT_NAME = "loss_curves.png"
+
+
+@dataclass
+class RunSummary:
+    """One compared run: headline numbers, merged params and its loss curve."""
+
+    run_id: str
+    name: str
+    status: str
+    final_loss: float | None = None
+    eval_perplexity: float | None = None
+    tokens_per_s: float | None = None
+    mfu_pct: float | None = None
+    steps: int | None = None
+    params: dict[str, str] = field(default_factory=dict)
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        """The table row (no params, no curve)."""
+        return {
+            "run": self.name,
+            "run_id": self.run_id,
+            "status": self.status,
+            "steps": self.steps,
+            "final_loss": self.final_loss,
+            "eval_perplexity": self.eval_perplexity,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu_pct": self.mfu_pct,
+        }
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The result of a comparison, as returned by the task and the flow."""
+
+    experiment: str
+    """The compared runs' MLflow experiment."""
+    tracking_uri: str
+    """Where they were read from."""
+    runs: list[dict[str, Any]]
+    """One table row per run (``RunSummary.row``), in the order compared."""
+    differing_params: dict[str, dict[str, str | None]]
+    """The config keys whose values differ: {key: {run_id: value or None}}."""
+    compare_run_id: str
+    """The MLflow run the comparison was logged to; "" when it was not logged."""
+    plot_uri: str
+    """The logged PNG's artifact URL (the server's download route over HTTP); "" unlogged."""
+    markdown: str
+    """The comparison with the loss curves embedded (a ``data:`` URI)."""
+    table_markdown: str = ""
+    """The same without the image, for a terminal."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data."""
+        return asdict(self)
+
+
+def default_tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI`` when set, else the pipeline's default (``./outputs/mlflow.db``)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or resolve_tracking_uri(JobConfig())
+
+
+def _steady(values: list[float]) -> float | None:
+    """Median of a rate's logged values, leaving out the first (warm-up) when there are more."""
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) > 1:
+        finite = finite[1:]
+    return statistics.median(finite) if finite else None
+
+
+def _metric_owners(client: Any, run: Any) -> list[Any]:
+    """The run followed by its nested (stage) runs: metrics may live on either."""
+    children = client.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{run.info.run_id}'"
+    )
+    return [run, *sorted(children, key=lambda r: r.info.start_time or 0)]
+
+
+def _longest_history(client: Any, owners: list[Any], key: str) -> list[tuple[int, float]]:
+    """``key``'s per-step values from the owner that logged most of them (the train stage run
+    has every step; the pipeline run only the final value), step-ordered; legacy name too."""
+    best: list[tuple[int, float]] = []
+    for name in (key, _LEGACY.get(key)):
+        for owner in owners:
+            if name and name in owner.data.metrics:
+                history = client.get_metric_history(owner.info.run_id, name)
+                curve = sorted({m.step: m.value for m in history}.items())
+                best = curve if len(curve) > len(best) else best
+        if best:
+            return best
+    return best
+
+
+def summarize_run(client: Any, run: Any) -> RunSummary:
+    """Collect one run's final loss, eval perplexity, throughput, MFU, params and loss curve."""
+    summary = RunSummary(
+        run_id=run.info.run_id, name=run.info.run_name or run.info.run_id, status=run.info.status
+    )
+    owners = _metric_owners(client, run)
+    for owner in reversed(owners):  # the parent's params win over a stage's
+        summary.params.update(owner.data.params)
+    if curve := _longest_history(client, owners, LOSS_KEY):
+        summary.loss_curve = curve
+        summary.final_loss, summary.steps = curve[-1][1], curve[-1][0]
+    for attr, key in (("tokens_per_s", TPS_KEY), ("mfu_pct", MFU_KEY)):
+        if rates := _longest_history(client, owners, key):
+            setattr(summary, attr, _steady([v for _, v in rates]))
+    for owner in owners:
+        if PERPLEXITY_KEY in owner.data.metrics and summary.eval_perplexity is None:
+            summary.eval_perplexity = owner.data.metrics[PERPLEXITY_KEY]
+    return summary
+
+
+def differing_params(runs: list[RunSummary]) -> dict[str, dict[str, str | None]]:
+    """Config keys whose value is not the same in every run: {key: {run_id: value or None}}."""
+    keys = sorted(set().union(*(r.params for r in runs)))
+    out = {}
+    for key in keys:
+        values = {r.run_id: r.params.get(key) for r in runs}
+        if len(set(values.values())) > 1:
+            out[key] = values
+    return out
+
+
+def select_runs(client: Any, experiment: str, run_ids: list[str], max_runs: int) -> list[Any]:
+    """The chosen runs (ids or names, in that order), else the newest top-level runs."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise ConfigError(f"compare.experiment: no MLflow experiment named {experiment!r}")
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
+    runs = [r for r in runs if r.data.tags.get(STAGE_TAG) != COMPARE_STAGE]
+    top = [r for r in runs if PARENT_TAG not in r.data.tags]
+    if run_ids:
+        # Any run by id; by name only top-level runs (stage runs are all called train, ...).
+        names = {r.info.run_name: r for r in reversed(top) if r.info.run_name}
+        by_key = {r.info.run_id: r for r in runs} | names
+        missing = [k for k in run_ids if k not in by_key]
+        if missing:
+            raise ConfigError(
+                f"compare.runs: no run {', '.join(missing)} in experiment {experiment!r} "
+                "(expected run ids or run names)"
+            )
+        return [by_key[k] for k in run_ids]
+    if not top:
+        raise ConfigError(f"compare.experiment: experiment {experiment!r} has no runs")
+    return list(reversed(top[:max_runs]))  # oldest first reads naturally in tables and legends
+
+
+def plot_loss_curves(runs: list[RunSummary], path: str, title: str) -> str:
+    """Write a PNG of every run's loss curve (matplotlib, Agg backend); returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    try:
+        for run in runs:
+            if run.loss_curve:
+                steps, losses = zip(*run.loss_curve)
+                ax.plot(steps, losses, marker=".", label=f"{run.name} ({run.run_id[:8]})")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if any(r.loss_curve for r in runs):
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 100 else f"{value:,.1f}"
+    return str(value)
+
+
+def render_markdown(
+    experiment: str, runs: list[RunSummary], diff: dict[str, dict[str, str | None]], plot: str
+) -> str:
+    """The comparison for people: headline table, differing config keys, the loss curves (a
+    markdown image: ``titan_core.pipeline.report.markdown_image``, or "" for none)."""
+    head = ["run", "run_id", "status", "steps", "final_loss", "eval_perplexity"]
+    head += ["tokens_per_s", "mfu_pct"]
+    lines = [f"# Comparison of {len(runs)} runs in `{experiment}`", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for run in runs:
+        row = run.row()
+        row["run_id"] = f"`{run.run_id[:8]}`"
+        lines.append("| " + " | ".join(_fmt(row[h]) for h in head) + " |")
+    lines += ["", "## Config keys that differ", ""]
+    if diff:
+        names = [f"{r.name} (`{r.run_id[:8]}`)" for r in runs]
+        lines += ["| key | " + " | ".join(names) + " |", "|" + " --- |" * (len(runs) + 1)]
+        for key, values in diff.items():
+            cells = [_fmt(values[r.run_id]) for r in runs]
+            lines.append(f"| `{key}` | " + " | ".join(cells) + " |")
+    else:
+        lines.append("None: every run has the same config.")
+    if plot:
+        lines += ["", "## Loss curves", "", plot]
+    return "\n".join(lines) + "\n"
+
+
+def artifact_url(tracking_uri: str, run: Any, name: str) -> str:
+    """A URL for a run's artifact: the server's download route over HTTP, else its URI."""
+    if tracking_uri.startswith(("http://", "https://")):
+        query = urllib.parse.urlencode({"path": name, "run_uuid": run.info.run_id})
+        return f"{tracking_uri.rstrip('/')}/get-artifact?{query}"
+    return f"{run.info.artifact_uri.rstrip('/')}/{name}"
+
+
+def _log_comparison(
+    client: Any,
+    experiment_id: str,
+    result: Comparison,
+    runs: list[RunSummary],
+    png: str,
+    parent_run_id: str,
+) -> tuple[str, str]:
+    """Log the comparison as a ``compare-<time>`` run (nested under ``parent_run_id`` when
+    given): PNG, markdown, JSON. Returns (its run id, the PNG's artifact URL)."""
+    tags = {STAGE_TAG: COMPARE_STAGE, "titan.compared_runs": ",".join(r.run_id for r in runs)}
+    if parent_run_id:
+        tags[PARENT_TAG] = parent_run_id
+    record = client.create_run(
+        experiment_id, run_name=f"compare-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags
+    )
+    try:
+        plot_uri = artifact_url(result.tracking_uri, record, PLOT_NAME)
+        logged = dataclasses.replace(result, compare_run_id=record.info.run_id, plot_uri=plot_uri)
+        folder = os.path.dirname(png)
+        with open(os.path.join(folder, "comparison.md"), "w") as f:
+            f.write(logged.markdown)
+        with open(os.path.join(folder, "comparison.json"), "w") as f:
+            json.dump({k: v for k, v in logged.to_dict().items() if k != "markdown"}, f, indent=2)
+        for name in (PLOT_NAME, "comparison.md", "comparison.json"):
+            client.log_artifact(record.info.run_id, os.path.join(folder, name))
+        client.set_terminated(record.info.run_id, "FINISHED")
+    except BaseException:
+        client.set_terminated(record.info.run_id, "FAILED")
+        raise
+    return record.info.run_id, plot_uri
+
+
+def compare_experiment(
+    experiment: str,
+    run_ids: list[str] | None = None,
+    tracking_uri: str = "",
+    max_runs: int = 10,
+    *,
+    log: bool = False,
+    parent_run_id: str = "",
+) -> Comparison:
+    """Compare runs of ``experiment``; the markdown embeds the loss-curve PNG.
+
+    ``log`` records the comparison as an MLflow run of the experiment; ``parent_run_id`` does
+    too, nested under that run. An empty ``tracking_uri`` means ``MLFLOW_TRACKING_URI``, else
+    the pipeline's default.
+    """
+    from mlflow import MlflowClient
+
+    if max_runs < 1:
+        raise ConfigError(f"compare.max_runs: expected an int >= 1, got {max_runs}")
+    uri = tracking_uri or default_tracking_uri()
+    check_tracking(uri)
+    client = MlflowClient(tracking_uri=uri)
+    chosen = select_runs(client, experiment, list(run_ids or []), max_runs)
+    runs = [summarize_run(client, r) for r in chosen]
+    diff = differing_params(runs)
+    with tempfile.TemporaryDirectory(prefix="titan-compare-") as tmp:
+        png = plot_loss_curves(runs, os.path.join(tmp, PLOT_NAME), f"{experiment}: training loss")
+        result = Comparison(
+            experiment=experiment,
+            tracking_uri=uri,
+            runs=[r.row() for r in runs],
+            differing_params=diff,
+            compare_run_id="",
+            plot_uri="",
+            markdown=render_markdown(experiment, runs, diff, markdown_image("loss curves", png)),
+            table_markdown=render_markdown(experiment, runs, diff, ""),
+        )
+        if log or parent_run_id:
+            run_id, plot_uri = _log_comparison(
+                client, chosen[0].info.experiment_id, result, runs, png, parent_run_id
+            )
+            result = dataclasses.replace(result, compare_run_id=run_id, plot_uri=plot_uri)
+    return result

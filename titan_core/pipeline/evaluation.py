@@ -1,0 +1,77 @@
+"""The pipeline's evaluate stage without an orchestrator: a checkpoint's held-out metrics, its
+report files in the run root and on the stage's MLflow run."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+from titan_core import storage
+from titan_core.pipeline.common import redact
+from titan_core.pipeline.tracking import TrackingContext, client, log_metrics, stage_run
+
+EVAL_METRICS = ("loss", "perplexity", "bits_per_byte", "num_tokens")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What the evaluate stage measured, and where its report is."""
+
+    report_url: str
+    """``<output>/eval/report.json`` (``report.md`` beside it)."""
+    step: int
+    """The evaluated checkpoint's training step."""
+    checkpoint: str
+    """The evaluated checkpoint (its step directory)."""
+    metrics: dict[str, float]
+    """``EVAL_METRICS``: held-out loss, perplexity, bits per byte, tokens evaluated."""
+
+
+def log_report(tracking: TrackingContext | None, run_id: str, report_dir: str) -> None:
+    """Attach the report files to the stage's MLflow run (secrets redacted)."""
+    if tracking is None or not run_id:
+        return
+    with tempfile.TemporaryDirectory(prefix="titan-eval-") as tmp:
+        for name in ("report.json", "report.md"):
+            local = os.path.join(tmp, name)
+            with open(local, "w") as f:
+                f.write(redact(storage.read_text(storage.join(report_dir, name))))
+        client(tracking.uri).log_artifacts(run_id, tmp, "eval")
+
+
+def checkpoint_run_root(checkpoint_url: str) -> str:
+    """``<run>`` of ``<run>/checkpoint/step-N`` (the evaluator writes eval/ there)."""
+    from titan_core.evaluate import resolve_checkpoint
+
+    return resolve_checkpoint(checkpoint_url).run_root
+
+
+def evaluate_stage(
+    checkpoint_url: str,
+    config_url: str = "",
+    output: str = "",
+    max_batches: int = 0,
+    tracking: TrackingContext | None = None,
+) -> Evaluation:
+    """Evaluate ``checkpoint_url`` and write ``<output>/eval/report.{json,md}`` (default output:
+    the checkpoint's run root); with ``tracking``, as an ``evaluate`` stage run with the
+    ``eval/*`` metrics and the report files."""
+    from titan_core.evaluate import evaluate_checkpoint
+    from titan_core.evaluate.report import EVAL_DIR
+
+    config_argv = ["--job.config_file", config_url] if config_url else []
+    with stage_run(tracking, "evaluate") as run_id:
+        report = evaluate_checkpoint(
+            checkpoint_url, config_argv=config_argv, output=output or None, max_batches=max_batches
+        )
+        metrics = {k: report["metrics"][k] for k in EVAL_METRICS}
+        log_metrics(tracking, run_id, {f"eval/{k}": v for k, v in metrics.items()})
+        report_dir = storage.join(output or checkpoint_run_root(checkpoint_url), EVAL_DIR)
+        log_report(tracking, run_id, report_dir)
+    return Evaluation(
+        report_url=storage.join(report_dir, "report.json"),
+        step=int(report["step"]),
+        checkpoint=report["checkpoint"],
+        metrics=metrics,
+    )

@@ -1,0 +1,65 @@
+"""The pipeline's export stage without an orchestrator: the final DCP checkpoint as a Hugging
+Face folder in the run root (``<run>/hf``), kept when a complete one is already there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_core import storage
+from titan_core.pipeline.common import load_config
+from titan_core.pipeline.tracking import TrackingContext, log_metrics, stage_run
+
+HF_DIR = "hf"
+
+
+@dataclass(frozen=True)
+class HfExport:
+    """A Hugging Face export of a checkpoint."""
+
+    url: str
+    """The export's folder (path or URL)."""
+    num_shards: int
+    """Safetensors shards written; 0 when a complete export was kept."""
+    kept: bool
+    """Whether a complete export was already there (an earlier attempt's), left as it was."""
+
+
+def is_exported(output: str) -> bool:
+    """Whether ``output`` holds a complete export (its index file is published last)."""
+    from titan_core.convert.dcp_to_hf import INDEX_FILE
+
+    return storage.exists(storage.join(output, INDEX_FILE))
+
+
+def export_checkpoint(
+    checkpoint_url: str,
+    config_url: str,
+    output: str = "",
+    dtype: str = "bfloat16",
+    tracking: TrackingContext | None = None,
+) -> HfExport:
+    """Export ``checkpoint_url`` (safetensors, config, tokenizer) to ``output`` (default
+    ``<run>/hf``) as a ``convert`` stage run; an existing complete export is kept."""
+    from titan_core.build import build_model_args
+    from titan_core.convert.dcp_to_hf import dcp_to_hf
+    from titan_core.data import Tokenizer, default_tokenizer_path
+
+    cfg = load_config(config_url)
+    output = output or storage.join(cfg.job.dump_folder, HF_DIR)
+    if is_exported(output):
+        return HfExport(output, 0, kept=True)
+    storage.remove_tree(output)  # debris of an interrupted attempt (an export publishes whole)
+    tokenizer_path = cfg.tokenizer.path or str(default_tokenizer_path())
+    model_args = build_model_args(cfg, Tokenizer(tokenizer_path).n_words)
+    with stage_run(tracking, "convert") as run_id:
+        shards = dcp_to_hf(
+            checkpoint_url,
+            output,
+            model_args=model_args,
+            tokenizer_path=tokenizer_path,
+            dtype=dtype,
+            progress=cfg.storage.progress,
+            model_name=cfg.model.name,
+        )
+        log_metrics(tracking, run_id, {"num_shards": len(shards)})
+    return HfExport(output, len(shards), kept=False)

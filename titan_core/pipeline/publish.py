@@ -1,0 +1,244 @@
+"""Publishing a run without an orchestrator: the Hugging Face export gets a model card and becomes
+a version of the registered model, and the run gets its summary.
+
+The model card (``README.md``: recipe, data, steps, tokens, eval numbers, which precision they
+belong to, how to load it) is written into the export, which becomes a new version of the
+registered model (source: the export's storage URL; a description; the eval loss as a rounded
+tag). The alias ``champion`` moves to it only when its eval loss (the exact ``eval/loss`` of its
+run) beats the current champion's. The parent MLflow run gets the final ``train/*`` and ``eval/*``
+metrics at the final step and the run's config and summary as artifacts. The ``publish`` task
+(``tasks/publish.py``) shows the summary and the locations as Prefect artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+
+from titan_core import storage
+from titan_core.pipeline.common import redact
+from titan_core.pipeline.evaluation import Evaluation
+from titan_core.pipeline.model_card import (
+    export_facts,
+    location_markdown,
+    version_description,
+    write_model_card,
+)
+from titan_core.pipeline.storage import absolute, refresh
+from titan_core.pipeline.tracking import TrackingContext, client, log_metrics
+
+CHAMPION = "champion"
+EVAL_LOSS_TAG = "eval_loss"  # rounded for people; the champion rule reads the run's eval/loss
+_TRAIN_KEYS = ("loss", "tps", "mfu_pct", "tflops", "grad_norm")
+
+
+@dataclass(frozen=True)
+class Publication:
+    """A published run: where its outputs are, its final metrics, its model version."""
+
+    run_id: str
+    """The run's id (the run root's last path component)."""
+    run_root: str
+    """The run root (secrets redacted, as every URL here)."""
+    checkpoint: str
+    """The final checkpoint."""
+    hf: str
+    """The Hugging Face export."""
+    eval_report: str
+    """The evaluation's ``report.json``."""
+    model_card: str
+    """The export's ``README.md``."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Final ``train/*`` values and the ``eval/*`` metrics."""
+    model_name: str = ""
+    """The registered model; "" when untracked."""
+    model_version: str = ""
+    """The new version of it; "" when untracked."""
+    champion: bool = False
+    """Whether the ``champion`` alias moved to the new version."""
+    previous_champion_loss: float | None = None
+    """The eval loss of the champion before this run (None: there was none)."""
+
+
+def final_train_metrics(run_root: str) -> dict[str, float]:
+    """The last logged values of the headline training metrics (from ``metrics.jsonl``)."""
+    path = storage.join(run_root, "metrics.jsonl")
+    refresh(path)
+    if not storage.exists(path):
+        return {}
+    last: dict[str, float] = {}
+    for line in storage.read_text(path).splitlines():
+        row = json.loads(line)
+        last.update({f"train/{k}": row[k] for k in _TRAIN_KEYS if k in row})
+    return last
+
+
+def register_version(
+    tracking: TrackingContext, name: str, source: str, tags: dict[str, str], description: str = ""
+) -> str:
+    """A new version of registered model ``name`` (created when missing); returns the version."""
+    mlflow_client = client(tracking.uri)
+    if not mlflow_client.search_registered_models(filter_string=f"name = '{name}'"):
+        mlflow_client.create_registered_model(name)
+    version = mlflow_client.create_model_version(
+        name,
+        source=source,
+        run_id=tracking.parent_run_id,
+        tags=tags,
+        description=description or None,
+    )
+    return str(version.version)
+
+
+def registrable_source(tracking: TrackingContext, hf_url: str) -> str:
+    """The model-version source for the export at ``hf_url``.
+
+    A URL (``s3://…``) or a local path with a local tracking store registers as it is. A tracking
+    server only accepts sources inside the run's artifact store, and a local folder would not be
+    reachable from other machines anyway: the export is uploaded as the parent run's ``hf``
+    artifacts and registered from there.
+    """
+    if storage.is_url(hf_url):
+        return hf_url
+    if not tracking.uri.startswith(("http://", "https://")):
+        return absolute(hf_url)
+    mlflow_client = client(tracking.uri)
+    mlflow_client.log_artifacts(tracking.parent_run_id, absolute(hf_url), "hf")
+    artifact_uri = mlflow_client.get_run(tracking.parent_run_id).info.artifact_uri
+    return artifact_uri.rstrip("/") + "/hf"
+
+
+def champion_loss(tracking: TrackingContext, name: str) -> float | None:
+    """The current champion's eval loss, or None without a champion: the exact ``eval/loss`` of
+    the run it was registered from (the version's tag is rounded), else that tag."""
+    mlflow_client = client(tracking.uri)
+    try:
+        version = mlflow_client.get_model_version_by_alias(name, CHAMPION)
+    except Exception:  # no such alias (MLflow raises a RestException)
+        return None
+    if version.run_id:
+        try:
+            exact = mlflow_client.get_run(version.run_id).data.metrics.get("eval/loss")
+        except Exception:  # the run was deleted: the tag still says it
+            exact = None
+        if exact is not None:
+            return float(exact)
+    value = version.tags.get(EVAL_LOSS_TAG)
+    return float(value) if value is not None else None
+
+
+def promote_if_better(
+    tracking: TrackingContext, name: str, version: str, eval_loss: float
+) -> tuple[bool, float | None]:
+    """Move ``champion`` to ``version`` if its eval loss is lower; returns (moved, old loss)."""
+    previous = champion_loss(tracking, name)
+    better = not math.isnan(eval_loss) and (previous is None or eval_loss < previous)
+    if better:
+        client(tracking.uri).set_registered_model_alias(name, CHAMPION, version)
+    return better, previous
+
+
+def summary_markdown(pub: Publication) -> str:
+    """The run's summary for people: where its outputs are, its model version, its metrics."""
+    version = f"{pub.model_name or '-'} v{pub.model_version or '-'}"
+    lines = [
+        f"# Run `{pub.run_id}`",
+        "",
+        f"- run root: `{pub.run_root}`",
+        f"- final checkpoint: `{pub.checkpoint}`",
+        f"- Hugging Face export: `{pub.hf}`",
+        f"- model version: {version}" + (" (champion)" if pub.champion else ""),
+        "",
+        "| metric | value |",
+        "| --- | ---: |",
+    ]
+    lines += [f"| {k} | {v:.4f} |" for k, v in sorted(pub.metrics.items())]
+    return "\n".join(lines) + "\n"
+
+
+def metric_rows(pub: Publication) -> list[dict[str, str | float]]:
+    """The final metrics as table rows (``metric``, ``value``)."""
+    return [{"metric": k, "value": round(v, 6)} for k, v in sorted(pub.metrics.items())]
+
+
+def locations(pub: Publication) -> dict[str, tuple[str, str]]:
+    """How to open the run root and the export: {artifact key: (markdown, description)}. A
+    ``file://`` or ``s3://`` link opens nothing in a browser, so each says where and how."""
+    where = {
+        "run-root": ("Run root", pub.run_root, "Checkpoints, config.toml, metrics, logs."),
+        "hf-export": ("Hugging Face export", pub.hf, "Weights, tokenizer, model card."),
+    }
+    out = {}
+    for key, (title, url, what) in where.items():
+        url = url if storage.is_url(url) else absolute(url)
+        out[key] = (location_markdown(title, url, what), f"{title}: {url}")
+    return out
+
+
+def log_run_files(tracking: TrackingContext, pub: Publication) -> None:
+    """The summary (markdown, JSON) and the run's config as the parent run's ``run/`` artifacts."""
+    with tempfile.TemporaryDirectory(prefix="titan-publish-") as tmp:
+        files = {
+            "summary.md": summary_markdown(pub),
+            "summary.json": json.dumps(asdict(pub), indent=2),
+        }
+        config = storage.join(pub.run_root, "config.toml")
+        if storage.exists(config):
+            files["config.toml"] = storage.read_text(config)
+        for name, text in files.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(redact(text))
+        client(tracking.uri).log_artifacts(tracking.parent_run_id, tmp, "run")
+
+
+def publish_run(
+    run_root: str,
+    checkpoint_url: str,
+    hf_url: str,
+    evaluation: Evaluation,
+    tracking: TrackingContext | None = None,
+    registered_model: str = "",
+    recipe: str = "",
+) -> Publication:
+    """Write the export's model card; with ``tracking``, log the final metrics to the parent run,
+    register the export as a version of ``registered_model`` (default: the experiment), move
+    ``champion`` if it improved and attach the summary. ``recipe`` is named in the card."""
+    metrics = {**final_train_metrics(run_root)}
+    metrics |= {f"eval/{k}": float(v) for k, v in evaluation.metrics.items()}
+    name = (registered_model or tracking.experiment) if tracking is not None else ""
+    facts = export_facts(run_root, checkpoint_url, hf_url, evaluation, recipe, name)
+    card = write_model_card(hf_url, facts)  # before registering: a server copies the folder
+    pub = Publication(
+        run_id=run_root.rstrip("/").rsplit("/", 1)[-1],
+        run_root=redact(run_root),
+        checkpoint=redact(checkpoint_url),
+        hf=redact(hf_url),
+        eval_report=redact(evaluation.report_url),
+        model_card=redact(card),
+        metrics=metrics,
+    )
+    if tracking is None:
+        return pub
+    eval_loss = float(evaluation.metrics["loss"])
+    # Logged before the version: the champion rule reads the run's exact eval/loss.
+    log_metrics(tracking, tracking.parent_run_id, metrics, step=evaluation.step)
+    version = register_version(
+        tracking,
+        name,
+        registrable_source(tracking, hf_url),
+        {
+            EVAL_LOSS_TAG: f"{eval_loss:.4g}",
+            "run_root": redact(run_root),
+            "step": str(evaluation.step),
+        },
+        description=redact(version_description(facts)),
+    )
+    moved, previous = promote_if_better(tracking, name, version, eval_loss)
+    pub = replace(
+        pub, model_name=name, model_version=version, champion=moved, previous_champion_loss=previous
+    )
+    log_run_files(tracking, pub)
+    return pub

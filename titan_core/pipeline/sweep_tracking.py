@@ -1,0 +1,191 @@
+"""A sweep in MLflow, without an orchestrator: its parent run, its trials' runs read back into
+the comparison, the report logged to the sweep's run, the best trial's model version aliased.
+
+The trials' pipeline runs nest under the sweep's run (``mlflow.parentRunId``); their numbers are
+read with ``titan_core.pipeline.compare``'s readers, the decisions and words come from
+``titan_core.pipeline.sweep`` and ``sweep_report``. The ``sweep`` flow's tasks
+(``tasks/sweep.py``) call these and show the result as Prefect artifacts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+from typing import Any
+
+from titan_core.config.job import JobConfig
+from titan_core.pipeline.common import redact
+from titan_core.pipeline.compare import PLOT_NAME, RunSummary, plot_loss_curves, summarize_run
+from titan_core.pipeline.report import markdown_image
+from titan_core.pipeline.sweep import BEST_ALIAS, SweepPlan, TrialOutcome
+from titan_core.pipeline.sweep_report import (
+    SweepResult,
+    TrialRow,
+    best_trial,
+    plot_metric_by_key,
+    render_markdown,
+)
+from titan_core.pipeline.tracking import (
+    STAGE_TAG,
+    TrackingContext,
+    artifact_location,
+    check_tracking,
+    client,
+    ensure_experiment,
+    log_params,
+    resolve_tracking_uri,
+)
+
+SWEEP_STAGE = "sweep"
+SWEEP_TAG = "titan.sweep_id"
+
+
+def start_sweep_run(cfg: JobConfig, plan: SweepPlan, flow_run_id: str = "") -> TrackingContext:
+    """Create the experiment (if new) and the sweep's parent run (tagged with the sweep id and
+    ``flow_run_id``), the sweep's definition as its params."""
+    uri = resolve_tracking_uri(cfg)
+    check_tracking(uri)
+    mlflow_client = client(uri)
+    experiment_id = ensure_experiment(mlflow_client, plan.experiment, artifact_location(cfg, uri))
+    tags = {STAGE_TAG: SWEEP_STAGE, SWEEP_TAG: plan.sweep_id}
+    tags["prefect.flow_run_id"] = flow_run_id
+    run = mlflow_client.create_run(experiment_id, run_name=f"sweep-{plan.sweep_id}", tags=tags)
+    log_params(mlflow_client, run.info.run_id, plan.definition())
+    return TrackingContext(uri, plan.experiment, experiment_id, run.info.run_id)
+
+
+def find_trial_run(mlflow_client: Any, tracking: TrackingContext, run_id: str) -> Any | None:
+    """The pipeline MLflow run of a trial (by its ``titan.run_id`` tag), if it got one."""
+    runs = mlflow_client.search_runs(
+        [tracking.experiment_id],
+        filter_string=f"tags.`titan.run_id` = '{run_id}' and tags.`{STAGE_TAG}` = 'pipeline'",
+        max_results=1,
+    )
+    return runs[0] if runs else None
+
+
+def model_version(mlflow_client: Any, model_name: str, mlflow_run_id: str) -> str:
+    """The version of ``model_name`` registered from ``mlflow_run_id``, or ""."""
+    found = mlflow_client.search_model_versions(
+        f"name = '{model_name}' and run_id = '{mlflow_run_id}'"
+    )
+    return str(found[0].version) if found else ""
+
+
+def trial_rows(
+    tracking: TrackingContext, plan: SweepPlan, outcomes: list[TrialOutcome]
+) -> tuple[list[TrialRow], list[RunSummary]]:
+    """Each trial's row (status and error from ``outcomes``, numbers from MLflow) and the
+    ``RunSummary`` of those with a run (their loss curves, labelled by trial)."""
+    mlflow_client = client(tracking.uri)
+    by_index = {o.index: o for o in outcomes}
+    rows, summaries = [], []
+    for trial in plan.trials:
+        outcome = by_index[trial.index]
+        name = trial.label(plan.keys)
+        row = TrialRow(
+            trial.index, name, outcome.run_id, outcome.status, trial.values, error=outcome.error
+        )
+        run = find_trial_run(mlflow_client, tracking, outcome.run_id)
+        if run is not None:
+            summary = dataclasses.replace(summarize_run(mlflow_client, run), name=name)
+            summaries.append(summary)
+            metric = run.data.metrics.get(plan.metric)
+            row = dataclasses.replace(
+                row,
+                final_loss=summary.final_loss,
+                steps=summary.steps,
+                metric=metric if outcome.status == "completed" else None,
+                mlflow_run_id=run.info.run_id,
+                model_version=model_version(mlflow_client, plan.model_name, run.info.run_id),
+            )
+            mlflow_client.set_tag(run.info.run_id, SWEEP_TAG, plan.sweep_id)
+            mlflow_client.set_tag(run.info.run_id, "titan.trial", name)
+        rows.append(row)
+    return rows, summaries
+
+
+def _slug(key: str) -> str:
+    """A file-name-safe form of a metric or config key."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+
+
+def write_report(
+    folder: str, plan: SweepPlan, rows: list[TrialRow], summaries: list[RunSummary]
+) -> tuple[str, dict[str, Any]]:
+    """Write the PNGs, ``comparison.md`` and ``comparison.json`` into ``folder``; returns the
+    markdown and the JSON document."""
+    best = best_trial(rows)
+    curves = plot_loss_curves(
+        summaries, os.path.join(folder, PLOT_NAME), f"sweep {plan.sweep_id}: training loss"
+    )
+    images = [markdown_image("training loss of every trial", curves)]
+    for key in plan.keys:
+        png = os.path.join(folder, f"{_slug(plan.metric)}_by_{_slug(key)}.png")
+        images.append(
+            markdown_image(
+                f"{plan.metric} by {key}", plot_metric_by_key(rows, key, plan.metric, png)
+            )
+        )
+    markdown = render_markdown(plan.sweep_id, rows, plan.keys, plan.metric, best, images)
+    document = {
+        "sweep_id": plan.sweep_id,
+        "experiment": plan.experiment,
+        "metric": plan.metric,
+        "keys": list(plan.keys),
+        "best": best.index if best else None,
+        "model_name": plan.model_name,
+        "trials": [r.as_dict(plan.metric) for r in rows],
+    }
+    with open(os.path.join(folder, "comparison.md"), "w") as f:
+        f.write(markdown)
+    with open(os.path.join(folder, "comparison.json"), "w") as f:
+        json.dump(document, f, indent=2)
+    return markdown, document
+
+
+def alias_best(tracking: TrackingContext, plan: SweepPlan, best: TrialRow | None) -> str:
+    """Point ``sweep-best`` at the best trial's model version (tagged with the sweep id and its
+    metric); returns the alias, or "" when no trial registered a version."""
+    if best is None or not best.model_version:
+        return ""
+    mlflow_client = client(tracking.uri)
+    mlflow_client.set_registered_model_alias(plan.model_name, BEST_ALIAS, best.model_version)
+    mlflow_client.set_model_version_tag(
+        plan.model_name, best.model_version, SWEEP_TAG, plan.sweep_id
+    )
+    mlflow_client.set_model_version_tag(
+        plan.model_name, best.model_version, "sweep_metric", f"{plan.metric}={best.metric:.4f}"
+    )
+    return BEST_ALIAS
+
+
+def record_comparison(
+    tracking: TrackingContext, plan: SweepPlan, outcomes: list[TrialOutcome]
+) -> SweepResult:
+    """Compare the trials, log the report (``comparison.md``/``.json``, the PNGs) and the best
+    metric to the sweep's run, alias the best trial's model version; returns the result."""
+    rows, summaries = trial_rows(tracking, plan, outcomes)
+    best = best_trial(rows)
+    with tempfile.TemporaryDirectory(prefix="titan-sweep-") as tmp:
+        markdown, _ = write_report(tmp, plan, rows, summaries)
+        client(tracking.uri).log_artifacts(tracking.parent_run_id, tmp)
+    alias = alias_best(tracking, plan, best)
+    if best is not None and best.metric is not None:
+        client(tracking.uri).log_metric(tracking.parent_run_id, f"best/{plan.metric}", best.metric)
+    return SweepResult(
+        sweep_id=plan.sweep_id,
+        experiment=plan.experiment,
+        metric=plan.metric,
+        keys=plan.keys,
+        trials=tuple(rows),
+        best=best,
+        mlflow_run_id=tracking.parent_run_id,
+        tracking_uri=redact(tracking.uri),
+        model_name=plan.model_name,
+        alias=alias,
+        markdown=markdown,
+    )
