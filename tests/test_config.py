@@ -285,7 +285,12 @@ def test_registry_errors_list_the_choices() -> None:
     assert config_error(["--module=gpt", "--config=x"]) == (
         "--module 'gpt': unknown model family; choices: llama3, qwen3, qwen3_moe"
     )
-    assert "go together" in config_error(["--module", "llama3"])
+    assert "names the family of a --config recipe" in config_error(["--module", "llama3"])
+    # Recipe names are unique: --config alone finds its family.
+    assert parse_args(["--config", "qwen3_debugmodel"]).model.name == "qwen3"
+    assert config_error(["--config", "qwen3_debugmodl"]).startswith(
+        "recipe 'qwen3_debugmodl': no such registry recipe; did you mean"
+    )
     assert config_error(["--config"]) == "--config expects a value"
 
 

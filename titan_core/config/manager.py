@@ -381,11 +381,15 @@ class ConfigManager:
         argv = list(sys.argv[1:] if argv is None else argv)
         module, argv = _pop_option(argv, "--module")
         config, argv = _pop_option(argv, "--config")
-        if (module is None) != (config is None):
+        if module is not None and config is None:
             raise ConfigError(
-                "--module and --config go together (e.g. --module llama3 --config "
-                "llama3_debugmodel)"
+                f"--module {module}: names the family of a --config recipe (e.g. --module llama3 "
+                "--config llama3_debugmodel)"
             )
+        if config is not None and module is None:  # recipe names are unique: find the family
+            from titan_core.config.resolve import find_recipe
+
+            module, config = find_recipe(config)
         base = self.config_cls() if module is None else load_registry_config(module, config or "")
         if "-h" in argv or "--help" in argv:
             self._tyro(base, ["--help"])  # prints the help and raises SystemExit(0)

@@ -104,12 +104,12 @@ def _build_parser() -> _Parser:
 def _job_config_argv(ns: argparse.Namespace, overrides: list[str]) -> list[str]:
     """Config-manager argv for the job that wrote ``ns.checkpoint``."""
     argv = []
-    if (ns.module is None) != (ns.config is None):
-        raise ConfigError("--module and --config go together (e.g. --module llama3 --config X)")
-    if ns.module is not None:
-        argv += ["--module", ns.module, "--config", ns.config]
+    if ns.module is not None and ns.config is None:
+        raise ConfigError("--module: names the family of a --config recipe (e.g. --config X)")
+    if ns.config is not None:  # the family is found from the recipe name when not given
+        argv += (["--module", ns.module] if ns.module is not None else []) + ["--config", ns.config]
     config_file = ns.config_file
-    if config_file is None and ns.module is None:
+    if config_file is None and ns.config is None:
         # <dump_folder>/checkpoint/step-N -> <dump_folder>/config.toml
         parent = posixpath.dirname if storage.is_url(ns.checkpoint) else _local_dirname
         config_file = storage.join(parent(parent(ns.checkpoint.rstrip("/"))), "config.toml")

@@ -67,10 +67,11 @@ def parse_eval_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Split ``argv`` into eval options and the config manager's argv (overrides included)."""
     ns, rest = build_parser().parse_known_args(argv)
     config_argv = list(rest)
-    if (ns.module is None) != (ns.config is None):
-        raise ConfigError("--module and --config go together (e.g. --module llama3 --config X)")
-    if ns.module is not None:
-        config_argv = ["--module", ns.module, "--config", ns.config, *config_argv]
+    if ns.module is not None and ns.config is None:
+        raise ConfigError("--module: names the family of a --config recipe (e.g. --config X)")
+    if ns.config is not None:  # the family is found from the recipe name when not given
+        module = ["--module", ns.module] if ns.module is not None else []
+        config_argv = [*module, "--config", ns.config, *config_argv]
     if ns.config_file is not None:
         config_argv = ["--job.config_file", ns.config_file, *config_argv]
     lm_flags = (ns.lm_eval_task_dir, ns.lm_eval_limit, ns.hf_folder or None)
