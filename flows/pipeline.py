@@ -15,7 +15,7 @@ from typing import Any
 from prefect import flow
 
 from flows.config import run_config
-from flows.naming import name_flow_run, run_tags
+from flows.naming import current_run_id, name_flow_run, run_id_name, run_tags
 from tasks.convert import convert_to_hf
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate
@@ -38,7 +38,7 @@ from titan_core.pipeline.data import (
     train_on,
 )
 from titan_core.pipeline.seed import is_complete, seed_identity
-from titan_core.pipeline.storage import RunPaths, absolute, new_run_id
+from titan_core.pipeline.storage import RunPaths, absolute
 from titan_core.pipeline.tokenizer import tokenizer_source
 from titan_core.pipeline.tracking import TrackingContext, end_pipeline_run
 
@@ -108,7 +108,7 @@ def run_tracked(
 
 # validate_parameters=False: the parameters are checked by flow_values/resolve_job, whose errors
 # are one line naming the key (a deployment's server has checked them against the schema too).
-@flow(name="pretrain_pipeline", validate_parameters=False)
+@flow(name="pretrain_pipeline", flow_run_name=run_id_name, validate_parameters=False)
 def pretrain_pipeline(
     recipe: str = "llama3_debugmodel",
     config: ConfigForm | None = None,
@@ -133,7 +133,7 @@ def pretrain_pipeline(
         parent_run_id: MLflow run to nest this pipeline's run under (e.g. a sweep's run).
     """
     cfg = resolve_job(recipe, config_file, flow_values(config, overrides))
-    paths = RunPaths(absolute(cfg.storage.root), cfg.job.experiment, run_id or new_run_id())
+    paths = RunPaths(absolute(cfg.storage.root), cfg.job.experiment, current_run_id(run_id))
     name_flow_run(f"{cfg.job.experiment}/{paths.run_id}", run_tags(cfg, recipe))
 
     def body(tracking: TrackingContext | None) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 from prefect import flow
 
 from flows.config import run_config
-from flows.naming import name_flow_run, run_tags
+from flows.naming import current_run_id, name_flow_run, run_id_name, run_tags
 from flows.pipeline import prepare_stage, run_tracked, train_and_publish
 from tasks.preflight import preflight
 from tasks.runs import find_latest_checkpoint, prepare_storage
@@ -29,7 +29,7 @@ from titan_core.config.manager import to_toml
 from titan_core.config.resolve import resolve_job
 from titan_core.pipeline.data import dataset_grew, train_on
 from titan_core.pipeline.model_line import CheckpointInfo
-from titan_core.pipeline.storage import RunPaths, absolute, configure_credentials, new_run_id
+from titan_core.pipeline.storage import RunPaths, absolute, configure_credentials
 from titan_core.pipeline.tracking import TrackingContext
 
 
@@ -63,7 +63,7 @@ def continued_config(
 
 
 # Parameters are checked by flow_values/resolve_job (one-line errors), as in pretrain_pipeline.
-@flow(name="retrain", validate_parameters=False)
+@flow(name="retrain", flow_run_name=run_id_name, validate_parameters=False)
 def retrain(
     steps: int = 100,
     experiment: str = "",
@@ -111,7 +111,7 @@ def retrain(
         cfg = dataclasses.replace(
             cfg, parallelism=dataclasses.replace(cfg.parallelism, data_parallel_shard_degree=-1)
         )
-    paths = RunPaths(absolute(cfg.storage.root), line, new_run_id())
+    paths = RunPaths(absolute(cfg.storage.root), line, current_run_id())
     name_flow_run(f"{line}/{paths.run_id}", [*run_tags(cfg), "retrain"])
 
     def body(tracking: TrackingContext | None) -> dict[str, Any]:

@@ -17,13 +17,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.naming import name_flow_run
+from flows.naming import current_run_id, name_flow_run, run_id_name
 from tasks.sweep import compare_trials, start_sweep_tracking
 from titan_core.config.form import ConfigForm, flow_values
 from titan_core.config.resolve import resolve_job
 from titan_core.errors import ConfigError, TitanError, first_line
 from titan_core.pipeline.common import run_logger
-from titan_core.pipeline.storage import new_run_id
 from titan_core.pipeline.sweep import SweepError, SweepPlan, Trial, TrialOutcome, plan_sweep
 from titan_core.pipeline.sweep_report import SweepResult, format_table
 from titan_core.pipeline.tracking import end_pipeline_run
@@ -116,7 +115,7 @@ def run_trials(plan: SweepPlan, parent_run_id: str, deployment: str) -> list[Tri
         return [_outcome(plan, t, f) for t, f in zip(plan.trials, futures)]
 
 
-@flow(name="sweep", validate_parameters=False)
+@flow(name="sweep", flow_run_name=run_id_name, validate_parameters=False)
 def sweep(
     recipe: str = "llama3_debugmodel",
     config: ConfigForm | None = None,
@@ -151,7 +150,7 @@ def sweep(
         config_file: TOML job config applied onto the recipe for every trial.
     """
     plan = plan_sweep(
-        new_run_id(),
+        current_run_id(),
         recipe,
         config_file,
         flow_values(config, overrides),

@@ -93,7 +93,10 @@ def test_compare_table_differing_keys_and_plot(tracking: tuple[str, dict], tmp_p
     # The image renders from the markdown itself, in MLflow's viewer as in Prefect's artifact.
     assert _embedded_png(result.markdown) == png.read_bytes()
     logged_md = Path(client.download_artifacts(record.info.run_id, "comparison.md", str(tmp_path)))
-    assert _png_size(_embedded_png(logged_md.read_text())) == (width, height)
+    # MLflow's viewer drops data: images: with a local store its copy names the PNG artifact
+    # (with a server it links it: tests/test_deployments.py).
+    assert f"*loss curves: `{PLOT_NAME}`, an artifact of this run.*" in logged_md.read_text()
+    assert "data:image" not in logged_md.read_text()
     assert "data:image" not in result.table_markdown and "`optimizer.lr`" in result.table_markdown
 
     # The comparison run itself is never compared; chosen runs by name keep their order.

@@ -13,8 +13,10 @@ import datetime
 import json
 import re
 import subprocess
+import tempfile
 import time
 import tomllib
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -184,6 +186,23 @@ def test_compare_deployment_with_tracking_server(stack: Stack, s3_server: Any) -
         assert resp.read()[:8] == b"\x89PNG\r\n\x1a\n"
     stored = s3_server.filesystem().find(s3_server.url("mlflow"))
     assert any(path.endswith("/loss_curves.png") for path in stored), stored
+    # The comparison.md logged to MLflow shows its image in the MLflow UI: an absolute link to
+    # the server's get-artifact route (the viewer drops data: and relative images).
+    from mlflow import MlflowClient
+
+    mlflow = MlflowClient(tracking_uri=uri)
+    (record,) = mlflow.search_runs(
+        [mlflow.get_experiment_by_name(EXPERIMENT).experiment_id],
+        "tags.`titan.stage` = 'compare'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        md = Path(mlflow.download_artifacts(record.info.run_id, "comparison.md", tmp)).read_text()
+    link = re.search(r"!\[loss curves\]\((http[^)]+/get-artifact\?[^)]+)\)", md)
+    assert link is not None and link.group(1).startswith(uri), md
+    with urllib.request.urlopen(link.group(1), timeout=30) as resp:
+        assert resp.read()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_titan_compare_cli_uses_the_server(stack: Stack) -> None:

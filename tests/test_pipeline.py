@@ -290,6 +290,10 @@ def test_prefect_flow_and_every_task_completed(first_run: dict) -> None:
     assert run.name == f"{EXPERIMENT}/{first_run['result']['run_id']}"
     tags = {f"experiment:{EXPERIMENT}", "recipe:llama3_debugmodel_tiny"}
     assert tags | {"model:llama3/debugmodel_tiny"} <= set(run.tags)
+    # Named from its start: the first log line names the run id, not a random name.
+    beginning = [m for m in flow_logs(first_run["flow_run_id"]) if "Beginning flow run" in m]
+    assert beginning == [f"Beginning flow run '{first_run['result']['run_id']}' for flow "
+                         "'pretrain_pipeline'"], beginning  # fmt: skip
 
 
 def test_convert_and_evaluate_flows_on_a_stored_checkpoint(first_run: dict, tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from titan_core.config.job import JobConfig
 from titan_core.errors import ConfigError
-from titan_core.pipeline.report import markdown_image
+from titan_core.pipeline.report import markdown_image, mlflow_image
 from titan_core.pipeline.tracking import STAGE_TAG, check_tracking, resolve_tracking_uri
 
 # Metric names on MLflow (the train stage run and the pipeline run alike; the eval stage).
@@ -275,8 +275,9 @@ def _log_comparison(
         plot_uri = artifact_url(result.tracking_uri, record, PLOT_NAME)
         logged = dataclasses.replace(result, compare_run_id=record.info.run_id, plot_uri=plot_uri)
         folder = os.path.dirname(png)
-        with open(os.path.join(folder, "comparison.md"), "w") as f:
-            f.write(logged.markdown)
+        image = mlflow_image("loss curves", record.info.run_id, PLOT_NAME, result.tracking_uri)
+        with open(os.path.join(folder, "comparison.md"), "w") as f:  # images as MLflow shows them
+            f.write(render_markdown(result.experiment, runs, result.differing_params, image))
         with open(os.path.join(folder, "comparison.json"), "w") as f:
             json.dump({k: v for k, v in logged.to_dict().items() if k != "markdown"}, f, indent=2)
         for name in (PLOT_NAME, "comparison.md", "comparison.json"):

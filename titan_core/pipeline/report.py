@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import urllib.parse
 from pathlib import Path
 
 
@@ -14,5 +15,17 @@ def png_data_uri(path: str | Path) -> str:
 
 
 def markdown_image(alt: str, path: str | Path) -> str:
-    """A markdown image embedding the PNG at ``path``."""
+    """A markdown image embedding the PNG at ``path`` (for Prefect's markdown artifacts)."""
     return f"![{alt}]({png_data_uri(path)})"
+
+
+def mlflow_image(alt: str, run_id: str, artifact_path: str, tracking_uri: str) -> str:
+    """Markdown showing run ``run_id``'s PNG artifact ``artifact_path`` inside a markdown artifact
+    of the same run, as the MLflow UI renders it. Its viewer shows images from absolute http(s)
+    URLs only (``data:`` and relative links are dropped; checked on MLflow 3.17): with a tracking
+    server, the image links to the server's ``get-artifact`` route; with a local store (sqlite,
+    a folder) there is no address to link, and the line names the artifact instead."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return f"*{alt}: `{artifact_path}`, an artifact of this run.*"
+    query = urllib.parse.urlencode({"path": artifact_path, "run_uuid": run_id})
+    return f"![{alt}]({tracking_uri.rstrip('/')}/get-artifact?{query})"

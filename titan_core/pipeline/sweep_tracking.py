@@ -19,7 +19,7 @@ from typing import Any
 from titan_core.config.job import JobConfig
 from titan_core.pipeline.common import redact
 from titan_core.pipeline.compare import PLOT_NAME, RunSummary, plot_loss_curves, summarize_run
-from titan_core.pipeline.report import markdown_image
+from titan_core.pipeline.report import markdown_image, mlflow_image
 from titan_core.pipeline.sweep import BEST_ALIAS, SweepPlan, TrialOutcome
 from titan_core.pipeline.sweep_report import (
     SweepResult,
@@ -114,23 +114,30 @@ def _slug(key: str) -> str:
 
 
 def write_report(
-    folder: str, plan: SweepPlan, rows: list[TrialRow], summaries: list[RunSummary]
+    folder: str,
+    plan: SweepPlan,
+    rows: list[TrialRow],
+    summaries: list[RunSummary],
+    tracking: TrackingContext,
 ) -> tuple[str, dict[str, Any]]:
-    """Write the PNGs, ``comparison.md`` and ``comparison.json`` into ``folder``; returns the
-    markdown and the JSON document."""
+    """Write the PNGs, ``comparison.md`` and ``comparison.json`` into ``folder`` (artifacts of
+    the sweep's MLflow run); returns the markdown with the images embedded (for Prefect) and the
+    JSON document. The ``comparison.md`` file links the PNGs as MLflow's UI serves them."""
     best = best_trial(rows)
     curves = plot_loss_curves(
         summaries, os.path.join(folder, PLOT_NAME), f"sweep {plan.sweep_id}: training loss"
     )
-    images = [markdown_image("training loss of every trial", curves)]
+    pngs = {"training loss of every trial": curves}
     for key in plan.keys:
         png = os.path.join(folder, f"{_slug(plan.metric)}_by_{_slug(key)}.png")
-        images.append(
-            markdown_image(
-                f"{plan.metric} by {key}", plot_metric_by_key(rows, key, plan.metric, png)
-            )
-        )
-    markdown = render_markdown(plan.sweep_id, rows, plan.keys, plan.metric, best, images)
+        pngs[f"{plan.metric} by {key}"] = plot_metric_by_key(rows, key, plan.metric, png)
+    embedded = [markdown_image(alt, png) for alt, png in pngs.items()]
+    linked = [
+        mlflow_image(alt, tracking.parent_run_id, os.path.basename(png), tracking.uri)
+        for alt, png in pngs.items()
+    ]
+    markdown = render_markdown(plan.sweep_id, rows, plan.keys, plan.metric, best, embedded)
+    for_mlflow = render_markdown(plan.sweep_id, rows, plan.keys, plan.metric, best, linked)
     document = {
         "sweep_id": plan.sweep_id,
         "experiment": plan.experiment,
@@ -141,7 +148,7 @@ def write_report(
         "trials": [r.as_dict(plan.metric) for r in rows],
     }
     with open(os.path.join(folder, "comparison.md"), "w") as f:
-        f.write(markdown)
+        f.write(for_mlflow)
     with open(os.path.join(folder, "comparison.json"), "w") as f:
         json.dump(document, f, indent=2)
     return markdown, document
@@ -171,7 +178,7 @@ def record_comparison(
     rows, summaries = trial_rows(tracking, plan, outcomes)
     best = best_trial(rows)
     with tempfile.TemporaryDirectory(prefix="titan-sweep-") as tmp:
-        markdown, _ = write_report(tmp, plan, rows, summaries)
+        markdown, _ = write_report(tmp, plan, rows, summaries, tracking)
         client(tracking.uri).log_artifacts(tracking.parent_run_id, tmp)
     alias = alias_best(tracking, plan, best)
     if best is not None and best.metric is not None:
