@@ -5,9 +5,12 @@
     titan launch --module llama3 --config llama3_debugmodel_tiny \
         --launch.backend local_multinode --launch.nnodes 2
 
-The config is checked at the job's world size (``nnodes * nproc_per_node``) before anything is
-started or submitted; ``--dry-run`` then prints the exact commands (local backends) or batch
-script (slurm) instead of running them. Every rank receives the same config arguments.
+Before anything is started or submitted, the job goes through the pipeline's preflight
+(``titan_core.pipeline.preflight``): the config at the job's world size (``nnodes *
+nproc_per_node``), a fake-backend dry run of one step at that size and the memory budget
+(``launch.device_memory_gib``, else the GPU's). ``--dry-run`` checks the config only and prints
+the exact commands (local backends) or batch script (slurm) instead of running them. Every rank
+receives the same config arguments.
 """
 
 from __future__ import annotations
@@ -34,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ns, rest = parser.parse_known_args(argv)
     cfg = parse_args(rest)
-    check_job(cfg, cfg.launch.nnodes * cfg.launch.nproc_per_node)
+    if ns.dry_run:
+        check_job(cfg, cfg.launch.nnodes * cfg.launch.nproc_per_node)
+    else:  # the pipeline's preflight: dry run on fake process groups, memory budget
+        from titan_core.pipeline.preflight import preflight_checks
+
+        preflight_checks(cfg)
     launcher = get_launcher(cfg.launch)
     spec = LaunchSpec(
         args=rest,

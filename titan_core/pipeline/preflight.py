@@ -91,25 +91,44 @@ def check_memory(cfg: JobConfig, est: Any) -> None:
     budget = device_memory_bytes(cfg)
     if budget and not fits(est.memory, budget):
         raise ConfigError(
-            f"launch.device_memory_gib: the estimated peak of {est.memory.peak / _GIB:.2f} GiB "
-            f"per rank does not fit in {budget / _GIB:.2f} GiB; lower training.local_batch_size, "
-            "enable activation_checkpoint.mode or use more ranks"
+            f"launch.device_memory_gib: the estimated peak of {_size(est.memory.peak)} per rank "
+            f"does not fit in {_size(budget)}; lower training.local_batch_size, enable "
+            "activation_checkpoint.mode or use more ranks"
         )
 
 
-def run_preflight(config_toml: str, config_url: str) -> Preflight:
-    """Validate the config text at its world size, then store it at ``config_url`` with its
-    auto values resolved (``titan_core.build.resolve_auto``): the config the ranks load."""
+def _size(num_bytes: float) -> str:
+    """Bytes for people: GiB from 1 GiB on, MiB below (0.02 GiB hides what differs)."""
+    if num_bytes >= _GIB:
+        return f"{num_bytes / _GIB:.2f} GiB"
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def preflight_checks(parsed: JobConfig) -> tuple[JobConfig, Any]:
+    """Every check preflight makes on a parsed config, before anything is launched or written:
+    the launcher's settings and tools, the config at its world size, a fake-backend dry run and
+    the memory budget. Returns the config with its auto values resolved
+    (``titan_core.build.resolve_auto``, what the ranks will run) and the estimate. ``titan
+    launch`` runs these too."""
     from titan_core.build import resolve_auto
-    from titan_core.config.manager import to_toml
     from titan_core.launch import get_launcher
 
-    parsed = parse_config_text(config_toml)
     world_size = parsed.launch.nnodes * parsed.launch.nproc_per_node
     get_launcher(parsed.launch).probe()  # backend settings, and its tools on this machine
     cfg = resolve_auto(parsed, world_size)  # what the ranks will run: no "auto" -1 left
     est = dry_run(cfg, world_size)
     check_memory(cfg, est)
+    return cfg, est
+
+
+def run_preflight(config_toml: str, config_url: str) -> Preflight:
+    """Validate the config text at its world size (``preflight_checks``), then store it at
+    ``config_url`` with its auto values resolved: the config the ranks load."""
+    from titan_core.config.manager import to_toml
+
+    parsed = parse_config_text(config_toml)
+    world_size = parsed.launch.nnodes * parsed.launch.nproc_per_node
+    cfg, est = preflight_checks(parsed)
     if cfg.training.dataset == "titan_corpus":
         from titan_core.data import ensure_assets
 
