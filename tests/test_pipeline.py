@@ -368,6 +368,8 @@ def test_secrets_never_reach_logs_params_artifacts_or_configs(
         haystacks[f"prefect params {fid}"] = json.dumps(flow_run(fid).parameters).encode()
     client = _client(line)
     experiment = client.get_experiment_by_name(EXPERIMENT)
+    # MLflow's UI opens it on its model-training views, not the GenAI (traces) ones.
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     for run in client.search_runs([experiment.experiment_id]):
         rid = run.info.run_id
         haystacks[f"mlflow params/tags {rid}"] = json.dumps(

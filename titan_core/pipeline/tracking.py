@@ -99,13 +99,21 @@ def artifact_location(cfg: JobConfig, uri: str) -> str | None:
     return storage.join(absolute(cfg.storage.root), "mlflow-artifacts", cfg.job.experiment)
 
 
+# MLflow 3's UI opens an experiment on its GenAI views (traces) unless the experiment says it is
+# about training models; the tag is what its "experiment type" selector writes.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def ensure_experiment(mlflow_client: Any, name: str, artifact_location: str | None) -> str:
-    """The id of experiment ``name``, created (with ``artifact_location``) when missing."""
+    """The id of experiment ``name``, created (with ``artifact_location``, tagged as a model
+    training experiment: ``EXPERIMENT_KIND``) when missing."""
     found = mlflow_client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
     try:
-        return mlflow_client.create_experiment(name, artifact_location=artifact_location)
+        return mlflow_client.create_experiment(
+            name, artifact_location=artifact_location, tags=EXPERIMENT_KIND
+        )
     except Exception:  # created concurrently by another run
         found = mlflow_client.get_experiment_by_name(name)
         if found is None:
