@@ -237,6 +237,8 @@ def test_comparison_lists_swept_keys_and_losses(swept: dict[str, Any], tmp_path:
     assert rows[3]["status"] == "failed" and "device_memory_gib" in rows[3]["error"]
     md = Path(client.download_artifacts(result.mlflow_run_id, "comparison.md", str(tmp_path)))
     text = md.read_text()
+    # The sweep run's description in MLflow is the comparison.
+    assert client.get_run(result.mlflow_run_id).data.tags["mlflow.note.content"] == text
     assert "| trial | status | training.local_batch_size | training.seq_len |" in text
     # The loss curves and one chart per key. MLflow's viewer shows http(s) images only: with a
     # local store (here) its copy names the run's PNG artifacts; Prefect's embeds them.

@@ -170,6 +170,10 @@ def alias_best(tracking: TrackingContext, plan: SweepPlan, best: TrialRow | None
     return BEST_ALIAS
 
 
+NOTE_TAG = "mlflow.note.content"  # what MLflow's UI shows as a run's description (markdown)
+NOTE_LIMIT = 8000  # characters of a tag value (mlflow.utils.validation.MAX_TAG_VAL_LENGTH)
+
+
 def record_comparison(
     tracking: TrackingContext, plan: SweepPlan, outcomes: list[TrialOutcome]
 ) -> SweepResult:
@@ -180,6 +184,11 @@ def record_comparison(
     with tempfile.TemporaryDirectory(prefix="titan-sweep-") as tmp:
         markdown, _ = write_report(tmp, plan, rows, summaries, tracking)
         client(tracking.uri).log_artifacts(tracking.parent_run_id, tmp)
+        with open(os.path.join(tmp, "comparison.md")) as f:  # the run's description, too
+            note = f.read()
+        if len(note) > NOTE_LIMIT:  # MLflow's limit on a tag value
+            note = note[: NOTE_LIMIT - 60].rsplit("\n", 1)[0] + "\n\n… (the rest: comparison.md)\n"
+        client(tracking.uri).set_tag(tracking.parent_run_id, NOTE_TAG, note)
     alias = alias_best(tracking, plan, best)
     if best is not None and best.metric is not None:
         client(tracking.uri).log_metric(tracking.parent_run_id, f"best/{plan.metric}", best.metric)
