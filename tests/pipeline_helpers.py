@@ -17,9 +17,6 @@ from s3_server import (
     _write_identities,
 )
 
-# The tiny debug model for a handful of steps: seconds of CPU per step on gloo.
-TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
-
 
 def tiny_overrides(*, steps: int, nproc: int, interval: int = 2) -> list[str]:
     """Overrides for a fast pipeline run of ``steps`` steps on ``nproc`` processes."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 _READY_TIMEOUT_S = 90.0
-
-
-def free_port() -> int:
-    """A loopback port the kernel reports free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path, what: str) -> None:

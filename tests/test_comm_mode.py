@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import process_env
+from helpers import TINY, process_env
 from parallel_harness import assert_parity, run_layout
 
 from titan_core import comm_mode
@@ -19,7 +19,6 @@ from titan_core.errors import ConfigError
 from titan_core.models import get_flavor
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
 
 
 def _run_train(args: list[str], timeout: int, **env: str) -> subprocess.CompletedProcess:

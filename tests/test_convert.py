@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import TINY
 from hf_helpers import assert_bitwise, convert_cli, dcp_model, hf_tensors
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -47,7 +48,6 @@ from titan_core.models.llama3.state_dict_adapter import _to_rotate_half
 from titan_core.train import run
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
 TRAIN = [*TINY, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2"]
 TRAIN += ["--checkpoint.no_last_save_model_only", "--validation.no_enable"]
 TRAIN += ["--metrics.log_freq", "1"]

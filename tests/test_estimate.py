@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY
 
 from titan_core.config.manager import parse_args
 from titan_core.errors import ConfigError
@@ -25,7 +26,6 @@ from titan_core.estimate.layout import build_layout, rank_param_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = ["--module", "llama3", "--config", "llama3_debugmodel"]
-TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
 EIGHT_B = ["--module", "llama3", "--config", "llama3_8b"]
 GIB = 2**30
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
+from helpers import TINY
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -36,7 +37,6 @@ from titan_core.models import get_flavor, get_model_spec
 from titan_core.train import run
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
 SEQ_LEN = 64  # llama3_debugmodel_tiny's training.seq_len
 # dcp_to_torch_save, used to load weights independently of titan's loader, warns in one process.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import free_port
 from pipeline_helpers import run_flow, start_restartable_s3, task_runs, tiny_overrides, tiny_values
 
 from titan_core.checkpoint.manager import complete_steps
@@ -52,14 +53,6 @@ def test_upload_is_retried_across_an_s3_restart(
         s3.stop()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("case", ["unreachable_storage", "bad_credentials", "unknown_tokenizer",
                                   "device_too_small", "tracking_down"])  # fmt: skip
 def test_bad_input_fails_at_the_first_stage_that_needs_it(
@@ -75,7 +68,7 @@ def test_bad_input_fails_at_the_first_stage_that_needs_it(
     overrides = tiny_values(steps=2, nproc=1)
     if case == "unreachable_storage":
         s3_server.set_env(monkeypatch)
-        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
         storage, stage, expected = s3_server.url("bad"), "prepare_storage", "cannot reach"
     elif case == "bad_credentials":
         s3_server.set_env(monkeypatch, secret_key="wrong-" + secrets.token_hex(8))
@@ -87,7 +80,7 @@ def test_bad_input_fails_at_the_first_stage_that_needs_it(
         overrides["launch.device_memory_gib"] = 0.0001
         stage, expected = "preflight", "launch.device_memory_gib: the estimated peak"
     else:
-        tracking = f"http://127.0.0.1:{_free_port()}"
+        tracking = f"http://127.0.0.1:{free_port()}"
         stage, expected = "start_tracking", "tracking.uri: no MLflow server answers"
     state, flow_run_id = run_flow(
         pretrain_pipeline,

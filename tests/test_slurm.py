@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import TINY, wait_until
 from parallel_harness import assert_parity, train_layout
-from pipeline_helpers import TINY, run_flow, task_runs, tiny_values
+from pipeline_helpers import run_flow, task_runs, tiny_values
 from slurm_cluster import SlurmCluster, start_cluster, unavailable
 
 from titan_core.config.job import Launch

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pipeline_helpers import TINY, flow_run, run_flow, task_runs, tiny_overrides, tiny_values
+from helpers import TINY
+from pipeline_helpers import flow_run, run_flow, task_runs, tiny_overrides, tiny_values
 
 from flows.main import main as titan_main
 from titan_core.errors import ConfigError
