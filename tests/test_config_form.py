@@ -24,9 +24,14 @@ from titan_core.errors import ConfigError
 def test_form_has_every_section_and_field_with_help_and_no_default() -> None:
     schema = ConfigForm.model_json_schema()
     keys = []
-    for section, ref in schema["properties"].items():
-        fields = schema["$defs"][ref["$ref"].rsplit("/", 1)[-1]]["properties"]
-        for name, field in fields.items():
+
+    def walk(section: str, ref: str) -> None:
+        for name, field in schema["$defs"][ref.rsplit("/", 1)[-1]]["properties"].items():
+            if "$ref" in field:  # a nested section (launch.slurm): a nested form
+                assert field["title"] == name and "default" not in field, name
+                assert field["description"].startswith(f"[{section}.{name}] "), name
+                walk(f"{section}.{name}", field["$ref"])
+                continue
             keys.append(f"{section}.{name}")
             # No default and no null type: an empty field shows as an empty input and is left
             # out of the submitted value (the recipe's value stays); titled by its key.
@@ -36,6 +41,9 @@ def test_form_has_every_section_and_field_with_help_and_no_default() -> None:
             else:
                 assert "default" not in field and "anyOf" not in str(field), name
             assert field["title"] == name and field["description"].endswith("."), name
+
+    for section, ref in schema["properties"].items():
+        walk(section, ref["$ref"])
     assert keys == list(_schema(JobConfig))
     docs = attribute_docstrings(Training)
     steps = schema["$defs"]["TrainingForm"]["properties"]["steps"]
@@ -60,6 +68,10 @@ def test_form_to_values_gives_only_the_fields_set() -> None:
         "training.max_norm": 2.0,
         "validation.enable": False,
     }
+    nested = ConfigForm.model_validate({"launch": {"nnodes": 2, "slurm": {"partition": "gpu"}}})
+    values = form_to_values(nested)
+    assert values == {"launch.nnodes": 2, "launch.slurm.partition": "gpu"}
+    assert resolve_job("", "", values).launch.slurm.partition == "gpu"
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import time
 import tomllib
+import typing
 import urllib.parse
 import urllib.request
 import uuid
@@ -261,12 +262,15 @@ def _line_config(stack: Stack) -> dict[str, Any]:
     }
 
 
-def _nested(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Dotted keys as the ``config`` form's sections."""
-    out: dict[str, dict[str, Any]] = {}
+def _nested(values: dict[str, Any]) -> dict[str, Any]:
+    """Dotted keys as the ``config`` form's sections (and nested sections)."""
+    out: dict[str, Any] = {}
     for key, value in values.items():
-        section, name = key.split(".")
-        out.setdefault(section, {})[name] = value
+        *sections, name = key.split(".")
+        table = out
+        for section in sections:
+            table = table.setdefault(section, {})
+        table[name] = value
     return out
 
 
@@ -294,15 +298,23 @@ def test_pipeline_parameters_are_the_config_form(stack: Stack) -> None:
     assert all(p.get("description") for p in params.values())
     defs = schema["definitions"]
     form = defs[params["config"]["anyOf"][0]["$ref"].rsplit("/", 1)[-1]]
-    for section in dataclasses.fields(JobConfig):
-        ref = form["properties"][section.name]["$ref"].rsplit("/", 1)[-1]
-        fields = defs[ref]["properties"]
-        names = [f.name for f in dataclasses.fields(section.default_factory())]  # type: ignore[misc]
-        assert list(fields) == names, section.name
+
+    def check_section(ref: str, cls: type) -> None:
+        fields = defs[ref.rsplit("/", 1)[-1]]["properties"]
+        hints = typing.get_type_hints(cls)
+        assert list(fields) == [f.name for f in dataclasses.fields(cls)], cls.__name__
         for name, field in fields.items():
+            if dataclasses.is_dataclass(hints[name]):  # a nested section ([launch.slurm])
+                assert "default" not in field, name
+                check_section(field["$ref"], hints[name])
+                continue
             assert "Default: " in field["description"], name
             assert field.get("default") is None, name  # nothing would overwrite the recipe
             assert field["title"] == name and len(field["examples"]) == 1, name
+
+    hints = typing.get_type_hints(JobConfig)
+    for section in dataclasses.fields(JobConfig):
+        check_section(form["properties"][section.name]["$ref"], hints[section.name])
     assert list(form["properties"]) == [f.name for f in dataclasses.fields(JobConfig)]
     steps = defs["TrainingForm"]["properties"]["steps"]
     assert steps["type"] == "integer" and steps["examples"] == [100]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import wait_until
 
-from titan_core.config.job import Launch
+from titan_core.config.job import Launch, Slurm
 from titan_core.errors import ConfigError
 from titan_core.launch import LaunchError, LaunchSpec, describe_failure, get_launcher
 
@@ -235,13 +235,15 @@ def test_slurm_script_runs_torchrun_on_every_node() -> None:
         nnodes=4,
         nproc_per_node=8,
         max_restarts=3,
-        slurm_partition="gpu",
-        slurm_account="proj",
-        slurm_time_limit="1-00:00:00",
-        slurm_sbatch_args=["--gpus-per-node=8", "--exclusive"],
-        slurm_setup=["source /shared/venv/bin/activate"],
-        slurm_python="/shared/venv/bin/python",
-        slurm_rdzv_port_base=31000,
+        slurm=Slurm(
+            partition="gpu",
+            account="proj",
+            time_limit="1-00:00:00",
+            sbatch_args=["--gpus-per-node=8", "--exclusive"],
+            setup=["source /shared/venv/bin/activate"],
+            python="/shared/venv/bin/python",
+            rdzv_port_base=31000,
+        ),
     )
     secret = "s3cr3t-value"
     script = _script(
@@ -286,11 +288,12 @@ def test_slurm_explicit_endpoint_and_bad_settings() -> None:
     assert "rdzv_endpoint=store.example:29400" in script and "is_host" not in script
     with pytest.raises(ConfigError, match=r"^launch.rdzv_endpoint: 127.0.0.1:29500 is loopback"):
         get_launcher(Launch(backend="slurm", nnodes=2, rdzv_endpoint="127.0.0.1:29500"))
-    with pytest.raises(ConfigError, match=r"^launch.slurm_time_limit: expected minutes"):
-        Launch(slurm_time_limit="soon")
-    with pytest.raises(ConfigError, match=r"^launch.slurm_sbatch_args: expected sbatch options"):
-        Launch(slurm_sbatch_args=["exclusive; rm -rf /"])
-    plain = _script(Launch(backend="slurm", slurm_sbatch_args=["exclusive", "gpus-per-node=8"]))
+    with pytest.raises(ConfigError, match=r"^launch.slurm.time_limit: expected minutes"):
+        Slurm(time_limit="soon")
+    with pytest.raises(ConfigError, match=r"^launch.slurm.sbatch_args: expected sbatch options"):
+        Slurm(sbatch_args=["exclusive; rm -rf /"])
+    slurm = Slurm(sbatch_args=["exclusive", "gpus-per-node=8"])
+    plain = _script(Launch(backend="slurm", slurm=slurm))
     assert "#SBATCH --exclusive\n#SBATCH --gpus-per-node=8\n" in plain  # CLI-friendly spelling
 
 

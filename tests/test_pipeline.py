@@ -169,11 +169,17 @@ def _stored_params(s3_server: Any, run_root: str) -> dict[str, str]:
     import tomllib
 
     text = s3_server.filesystem().cat(run_root.removeprefix("s3://") + "/config.toml").decode()
-    return {
-        f"{section}.{key}": ",".join(map(str, v)) if isinstance(v, list) else str(v)
-        for section, table in tomllib.loads(text).items()
-        for key, v in table.items()
-    }
+
+    def flat(table: dict[str, Any], prefix: str) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for key, v in table.items():
+            if isinstance(v, dict):  # a nested section such as [launch.slurm]
+                out |= flat(v, f"{prefix}{key}.")
+            else:
+                out[prefix + key] = ",".join(map(str, v)) if isinstance(v, list) else str(v)
+        return out
+
+    return flat(tomllib.loads(text), "")
 
 
 def test_mlflow_parent_and_stage_runs(first_run: dict, line: dict, s3_server: Any) -> None:
@@ -301,13 +307,18 @@ def test_convert_and_evaluate_flows_on_a_stored_checkpoint(first_run: dict, tmp_
     from flows.evaluate import evaluate
 
     step2 = first_run["result"]["run_root"] + "/checkpoint/step-2"
-    hf = convert(checkpoint=step2, output=str(tmp_path / "hf"), dtype="float32")
+    hf = convert(
+        checkpoint=step2, output=str(tmp_path / "hf"), overrides={"convert.dtype": "float32"}
+    )
     config = json.loads((Path(hf) / "config.json").read_text())
     assert hf == str(tmp_path / "hf") and config["torch_dtype"] == "float32"
     assert (Path(hf) / "model.safetensors.index.json").exists()
-    report = evaluate(checkpoint=step2, output=str(tmp_path / "eval"), max_batches=2)
+    report = evaluate(
+        checkpoint=step2, output=str(tmp_path / "eval"), overrides={"evaluate.batches": 2}
+    )
     assert report.step == 2 and report.checkpoint == step2
     saved = json.loads((tmp_path / "eval" / "eval" / "report.json").read_text())
+    assert saved["metrics"]["num_batches"] == 2
     assert saved["metrics"]["loss"] == report.metrics["loss"]
 
 

@@ -19,14 +19,14 @@ from parallel_harness import assert_parity, train_layout
 from pipeline_helpers import run_flow, task_runs, tiny_values
 from slurm_cluster import SlurmCluster, start_cluster, unavailable
 
-from titan_core.config.job import Launch
+from titan_core.config.job import Launch, Slurm
 from titan_core.launch import LaunchError, LaunchSpec, get_launcher
 
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "Slurm available"),
 ]
-FAST = {"slurm_poll_seconds": 1.0, "slurm_time_limit": "10"}
+FAST = {"slurm": Slurm(poll_seconds=1.0, time_limit="10")}
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +102,10 @@ SLEEPER = textwrap.dedent(
 DRIVER = textwrap.dedent(
     """
     import sys
-    from titan_core.config.job import Launch
+    from titan_core.config.job import Launch, Slurm
     from titan_core.launch import LaunchSpec, get_launcher
-    launch = Launch(backend="slurm", nnodes=2, log_ranks="all", slurm_poll_seconds=1.0,
-                    slurm_time_limit="10")
+    launch = Launch(backend="slurm", nnodes=2, log_ranks="all",
+                    slurm=Slurm(poll_seconds=1.0, time_limit="10"))
     spec = LaunchSpec(args=[], launch=launch, module="sleeper", env={"PYTHONPATH": sys.argv[1]},
                       log_dir=sys.argv[1] + "/logs")
     get_launcher(launch).run(spec, lambda line: print(line, flush=True))
@@ -151,7 +151,7 @@ def test_pipeline_trains_on_slurm(
     from flows.pipeline import pretrain_pipeline
 
     overrides = tiny_values(steps=4, nproc=1) | {"launch.backend": "slurm", "launch.nnodes": 2}
-    overrides |= {"launch.slurm_poll_seconds": 1, "launch.slurm_time_limit": "10"}
+    overrides |= {"launch.slurm.poll_seconds": 1, "launch.slurm.time_limit": "10"}
     overrides |= {"storage.root": str(tmp_path / "runs"), "evaluate.batches": 1}
     overrides["tracking.uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     state, flow_run_id = run_flow(pretrain_pipeline, recipe=TINY[3], overrides=overrides)
@@ -167,7 +167,8 @@ def test_pipeline_trains_on_slurm(
 
 
 def test_failing_setup_is_final_and_named(cluster: SlurmCluster, tmp_path: Path) -> None:
-    launch = Launch(backend="slurm", nnodes=2, slurm_setup=["module load nonexistent"], **FAST)  # type: ignore[arg-type]
+    slurm = Slurm(setup=["module load nonexistent"], poll_seconds=1.0, time_limit="10")
+    launch = Launch(backend="slurm", nnodes=2, slurm=slurm)
     spec = LaunchSpec(args=[], launch=launch, log_dir=str(tmp_path), timeout_s=120)
     lines: list[str] = []
     with pytest.raises(LaunchError) as info:
@@ -175,6 +176,6 @@ def test_failing_setup_is_final_and_named(cluster: SlurmCluster, tmp_path: Path)
     job = _job_id("\n".join(lines))
     assert str(info.value).startswith(
         f"training: Slurm job {job} FAILED before srun started (exit code 127:0): check "
-        "launch.slurm_setup"
+        "launch.slurm.setup"
     ), info.value
     assert not info.value.retryable

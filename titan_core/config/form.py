@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from titan_core.config.job import JobConfig
+from titan_core.config.manager import _moved, _schema
 from titan_core.errors import ConfigError
 
 # Strict: "4" is no int and 1 no bool, as on the command line and in TOML (ints pass as floats).
@@ -82,11 +83,15 @@ def _plain_optional(schema: dict[str, Any]) -> None:
 
 def _section_form(section: str, cls: type) -> type[BaseModel]:
     """The form of one section: each field optional, titled by its key, described by its
-    docstring and the engine default (also in ``examples``)."""
+    docstring and the engine default (also in ``examples``); a nested section (``launch.slurm``)
+    is a nested form."""
     hints = typing.get_type_hints(cls)
     docs = attribute_docstrings(cls)
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            fields[f.name] = _nested_form(f"{section}.{f.name}", hints[f.name], docs.get(f.name))
+            continue
         default = _default(f)
         assert f.name in docs, f"{section}.{f.name} has no docstring"
         help_text = (
@@ -107,17 +112,23 @@ def _section_form(section: str, cls: type) -> type[BaseModel]:
     )
 
 
+def _nested_form(section: str, cls: type, doc: str | None) -> tuple[type[BaseModel], Any]:
+    """``(form, field)`` of section ``section`` (dotted) inside its parent's form."""
+    form = _section_form(section, cls)
+    description = markdown_safe(f"[{section}] {doc or ''}".strip())
+    title = section.rpartition(".")[2]
+    return form, Field(default_factory=form, title=title, description=description)
+
+
 @functools.cache
 def build_config_form(config_cls: type = JobConfig) -> type[BaseModel]:
     """The ``ConfigForm`` model of ``config_cls``: one optional nested form per section."""
     hints = typing.get_type_hints(config_cls)
     docs = attribute_docstrings(config_cls)
-    sections: dict[str, Any] = {}
-    for f in dataclasses.fields(config_cls):
-        form = _section_form(f.name, hints[f.name])
-        description = markdown_safe(f"[{f.name}] {docs.get(f.name, '')}".strip())
-        field = Field(default_factory=form, title=f.name, description=description)
-        sections[f.name] = (form, field)
+    sections = {
+        f.name: _nested_form(f.name, hints[f.name], docs.get(f.name))
+        for f in dataclasses.fields(config_cls)
+    }
     return create_model(  # type: ignore[call-overload,no-any-return]
         "ConfigForm",
         __config__=ConfigDict(extra="forbid", title="job config"),
@@ -135,12 +146,12 @@ def form_to_values(form: BaseModel | None) -> dict[str, Any]:
     if form is None:
         return {}
     values: dict[str, Any] = {}
-    for section in type(form).model_fields:
-        part = getattr(form, section)
-        for name in type(part).model_fields:
-            value = getattr(part, name)
-            if value is not None:
-                values[f"{section}.{name}"] = value
+    for name in type(form).model_fields:
+        value = getattr(form, name)
+        if isinstance(value, BaseModel):
+            values |= {f"{name}.{key}": v for key, v in form_to_values(value).items()}
+        elif value is not None:
+            values[name] = value
     return values
 
 
@@ -160,7 +171,11 @@ def as_form(config: Any) -> BaseModel | None:
         first = e.errors()[0]
         where = ".".join(str(part) for part in ("config", *first["loc"]))
         if first["type"] == "extra_forbidden":
-            raise ConfigError(f"{where}: no such section or field of the job config") from None
+            moved = _moved(".".join(str(part) for part in first["loc"]), _schema(JobConfig))
+            hint = f"; it moved to config.{moved}" if moved else ""
+            raise ConfigError(
+                f"{where}: no such section or field of the job config{hint}"
+            ) from None
         message = first["msg"][:1].lower() + first["msg"][1:]
         raise ConfigError(f"{where}: {message}, got {first['input']!r}") from None
 

@@ -17,6 +17,7 @@ import inspect
 import sys
 import tomllib
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -73,16 +74,61 @@ def _spec(tp: Any) -> _Spec:
 
 @functools.cache
 def _schema(cls: type) -> dict[str, _Spec]:
-    """Map ``section.field`` to its spec for every field of every section of ``cls``."""
-    out: dict[str, _Spec] = {}
+    """Map the dotted key of every field of every section of ``cls`` to its spec:
+    ``section.field``, and ``section.sub.field`` inside a nested section (``launch.slurm``)."""
     section_hints = typing.get_type_hints(cls)
     for section in dataclasses.fields(cls):
-        section_cls = section_hints[section.name]
-        assert dataclasses.is_dataclass(section_cls), f"{section.name} is not a dataclass"
-        hints = typing.get_type_hints(section_cls)
-        for f in dataclasses.fields(section_cls):
-            out[f"{section.name}.{f.name}"] = _spec(hints[f.name])
+        assert dataclasses.is_dataclass(section_hints[section.name]), f"{section.name}: no section"
+    return _fields(cls, "")
+
+
+def _fields(cls: type, prefix: str) -> dict[str, _Spec]:
+    out: dict[str, _Spec] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out |= _fields(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out[prefix + f.name] = _spec(hints[f.name])
     return out
+
+
+@functools.cache
+def _sections(cls: type) -> frozenset[str]:
+    """The dotted paths of the sections of ``cls``, nested ones included (``launch.slurm``)."""
+    return frozenset(key.rpartition(".")[0] for key in _schema(cls))
+
+
+def _flat_spellings(schema: dict[str, _Spec]) -> dict[str, str]:
+    """Keys of nested sections as they were spelled before nesting (``launch.slurm_partition``,
+    ``launch.no_slurm_flag``) mapped to the key now (``launch.slurm.partition``)."""
+    out: dict[str, str] = {}
+    for key, spec in schema.items():
+        section, *path = key.split(".")
+        if len(path) > 1:
+            out[f"{section}.{'_'.join(path)}"] = key
+            if spec.kind == "bool":
+                out[f"{section}.no_{'_'.join(path)}"] = _negated(key)
+    return out
+
+
+def _moved(key: str, schema: dict[str, _Spec]) -> str | None:
+    """The key that the old flat ``key`` is now: ``launch.slurm_partition`` is
+    ``launch.slurm.partition``; None when ``key`` is no such old spelling."""
+    return _flat_spellings(schema).get(key)
+
+
+def _negated(key: str) -> str:
+    """``a.b.no_c`` for the bool key ``a.b.c``."""
+    parent, _, name = key.rpartition(".")
+    return f"{parent}.no_{name}"
+
+
+def _get(obj: Any, key: str) -> Any:
+    """The value at dotted ``key`` of a config (or section)."""
+    for name in key.split("."):
+        obj = getattr(obj, name)
+    return obj
 
 
 def _from_text(spec: _Spec, text: str) -> Any:
@@ -117,12 +163,15 @@ def _from_value(spec: _Spec, value: Any) -> Any:
 
 
 def _did_you_mean(key: str, schema: dict[str, _Spec], prefix: str) -> str:
-    """Suggest known keys close to ``key`` (same field name elsewhere, or a near spelling)."""
-    pool = list(schema) + [
-        f"{k.split('.')[0]}.no_{k.split('.')[1]}" for k, s in schema.items() if s.kind == "bool"
-    ]
+    """Suggest known keys close to ``key``: its new spelling when a nested section took it over
+    (``launch.slurm_partition`` is ``launch.slurm.partition``), else the same field name
+    elsewhere or a near spelling."""
+    moved = _moved(key, schema)
+    if moved:
+        return f"; it moved to {prefix}{moved}"
+    pool = list(schema) + [_negated(k) for k, s in schema.items() if s.kind == "bool"]
     name = key.rsplit(".", 1)[-1]
-    same_name = [k for k in schema if k.split(".")[1] == name and k != key]
+    same_name = [k for k in schema if k.rsplit(".", 1)[-1] == name and k != key]
     matches = list(dict.fromkeys(same_name + difflib.get_close_matches(key, pool, n=3)))[:3]
     if not matches:
         return ""
@@ -131,34 +180,52 @@ def _did_you_mean(key: str, schema: dict[str, _Spec], prefix: str) -> str:
 
 def _apply(base: JobConfig, values: dict[str, Any]) -> JobConfig:
     """Return a copy of ``base`` with dotted-key ``values`` set; runs the sections' validation."""
-    by_section: dict[str, dict[str, Any]] = {}
+    return _replace(copy.deepcopy(base), values)
+
+
+def _replace(obj: Any, values: dict[str, Any]) -> Any:
+    """``dataclasses.replace`` of ``obj`` with dotted keys relative to it (nested sections are
+    replaced first, so each section's ``__post_init__`` sees its new values)."""
+    changes: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
     for key, value in values.items():
-        section, name = key.split(".")
-        by_section.setdefault(section, {})[name] = value
-    base = copy.deepcopy(base)
-    sections = {s: dataclasses.replace(getattr(base, s), **kw) for s, kw in by_section.items()}
-    return dataclasses.replace(base, **sections)
+        name, dot, rest = key.partition(".")
+        if dot:
+            nested.setdefault(name, {})[rest] = value
+        else:
+            changes[name] = value
+    for name, sub in nested.items():
+        changes[name] = _replace(getattr(obj, name), sub)
+    return dataclasses.replace(obj, **changes)
+
+
+def _section_objects(obj: Any) -> list[Any]:
+    """The sections of a config (or section), nested ones after their parent."""
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out += [value, *_section_objects(value)]
+    return out
 
 
 def validate(cfg: JobConfig) -> None:
     """Type-check every field and re-run every section's ``__post_init__`` on ``cfg``."""
     for key, spec in _schema(type(cfg)).items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
+        value = _get(cfg, key)
         try:
             _from_value(spec, value)
         except ValueError:
             raise ConfigError(f"{key}: expected {spec.describe()}, got {value!r}") from None
-    for obj in [getattr(cfg, f.name) for f in dataclasses.fields(cfg)] + [cfg]:
+    for obj in [*_section_objects(cfg), cfg]:
         post_init = getattr(obj, "__post_init__", None)
         if post_init is not None:
             post_init()
 
 
 def _bool_refusal(shown: str, key: str) -> ConfigError:
-    section, name = key.split(".")
     return ConfigError(
-        f"{shown}: boolean options are flags; use --{section}.no_{name} (or --{key} to enable)"
+        f"{shown}: boolean options are flags; use --{_negated(key)} (or --{key} to enable)"
     )
 
 
@@ -167,7 +234,7 @@ def _lookup(name: str, schema: dict[str, _Spec]) -> tuple[str, bool]:
     key = name.replace("-", "_")
     if key in schema:
         return key, False
-    section, _, field_name = key.partition(".")
+    section, _, field_name = key.rpartition(".")
     positive = f"{section}.{field_name.removeprefix('no_')}"
     if field_name.startswith("no_") and positive in schema and schema[positive].kind == "bool":
         return positive, True
@@ -226,7 +293,7 @@ def _scan_cli(argv: list[str], schema: dict[str, _Spec]) -> tuple[dict[str, Any]
             if has_inline or (i < len(argv) and not argv[i].startswith("--")):
                 raise _bool_refusal(token if has_inline else f"{token} {argv[i]}", key)
             values[key] = not negated
-            section, field_name = flag.split(".")
+            section, _, field_name = flag.rpartition(".")
             tyro_argv.append(f"{section}.no-{field_name}" if negated else flag)
             continue
         if has_inline:
@@ -273,19 +340,42 @@ def _toml_values(path: str, base: JobConfig) -> dict[str, Any]:
             hint = _did_you_mean(section_key, schema, "")
             raise ConfigError(f"{path}: key {section!r} is outside any [section] table{hint}")
         if section_key not in sections:
-            close = difflib.get_close_matches(section_key, sorted(sections), n=3)
-            hint = "; did you mean " + " or ".join(f"[{c}]" for c in close) + "?" if close else ""
-            raise ConfigError(f"{path}: unknown section [{section}]{hint}")
-        for name, value in table.items():
-            key = f"{section_key}.{name.replace('-', '_')}"
-            if key not in schema:
-                hint = _did_you_mean(key, schema, "")
-                raise ConfigError(f"{path}: unknown key {section}.{name}{hint}")
-            try:
-                values[key] = _from_value(schema[key], value)
-            except ValueError:
-                expected = schema[key].describe()
-                raise ConfigError(f"{path}: {key}: expected {expected}, got {value!r}") from None
+            raise _unknown_section(path, section, section_key, sections)
+        values |= _table_values(path, section, section_key, table, type(base))
+    return values
+
+
+def _unknown_section(path: str, shown: str, key: str, sections: Iterable[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, sorted(sections), n=3)
+    hint = "; did you mean " + " or ".join(f"[{c}]" for c in close) + "?" if close else ""
+    return ConfigError(f"{path}: unknown section [{shown}]{hint}")
+
+
+def _table_values(
+    path: str, shown: str, section: str, table: dict[str, Any], cls: type
+) -> dict[str, Any]:
+    """The dotted-key values of TOML table ``[shown]`` (section ``section``), nested tables
+    (``[launch.slurm]``) included, type-checked."""
+    schema, sections = _schema(cls), _sections(cls)
+    values: dict[str, Any] = {}
+    for name, value in table.items():
+        key, where = f"{section}.{name.replace('-', '_')}", f"{shown}.{name}"
+        if key in sections:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: {where} must be a [{where}] table, got {value!r}")
+            values |= _table_values(path, where, key, value, cls)
+            continue
+        if isinstance(value, dict) and key not in schema:
+            nested = [s for s in sections if s.startswith(section + ".")]
+            raise _unknown_section(path, where, key, nested)
+        if key not in schema:
+            hint = _did_you_mean(key, schema, "")
+            raise ConfigError(f"{path}: unknown key {where}{hint}")
+        try:
+            values[key] = _from_value(schema[key], value)
+        except ValueError:
+            expected = schema[key].describe()
+            raise ConfigError(f"{path}: {key}: expected {expected}, got {value!r}") from None
     return values
 
 
@@ -420,7 +510,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
 
 
 def to_dict(cfg: JobConfig) -> dict[str, Any]:
-    """The config as nested plain dicts, one per section."""
+    """The config as nested plain dicts, one per section (and one per nested section)."""
     return dataclasses.asdict(cfg)
 
 
@@ -431,12 +521,18 @@ def to_toml(cfg: JobConfig) -> str:
 
 def flatten(cfg: JobConfig) -> dict[str, Scalar]:
     """Dotted keys to scalars (lists joined with commas), e.g. for MLflow params."""
+    return flatten_tables(to_dict(cfg))
+
+
+def flatten_tables(tables: dict[str, Any], prefix: str = "") -> dict[str, Scalar]:
+    """Nested tables (``to_dict``, or a config's TOML) as dotted keys to scalars, lists joined
+    with commas: ``{"launch": {"slurm": {"partition": "gpu"}}}`` -> ``launch.slurm.partition``."""
     out: dict[str, Scalar] = {}
-    for section, table in to_dict(cfg).items():
-        for name, value in table.items():
-            out[f"{section}.{name}"] = (
-                ",".join(str(v) for v in value) if isinstance(value, list) else value
-            )
+    for name, value in tables.items():
+        if isinstance(value, dict):
+            out |= flatten_tables(value, f"{prefix}{name}.")
+        else:
+            out[prefix + name] = ",".join(map(str, value)) if isinstance(value, list) else value
     return out
 
 

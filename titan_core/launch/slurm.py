@@ -2,16 +2,17 @@
 
 ``render`` writes the batch script ``run`` submits (``titan launch --dry-run`` prints it): one
 srun task per node, each a torchrun agent; the c10d rendezvous is hosted on the first node of
-the allocation (its ``NodeAddr``) at ``slurm_rdzv_port_base + job id % 1000``, so jobs whose
-nodes share an address do not collide. ``run`` submits with ``sbatch --parsable``, polls
-``squeue`` every ``slurm_poll_seconds`` (never ``sbatch --wait``), streams the job's output file
-as it grows, maps the final job state (``scontrol show job``) to a result or a one-line
-``LaunchError`` that names the state, and cancels the job (``scancel``) if the caller is
+the allocation (its ``NodeAddr``) at ``launch.slurm.rdzv_port_base + job id % 1000``, so jobs
+whose nodes share an address do not collide. ``run`` submits with ``sbatch --parsable``, polls
+``squeue`` every ``launch.slurm.poll_seconds`` (never ``sbatch --wait``), streams the job's
+output file as it grows, maps the final job state (``scontrol show job``) to a result or a
+one-line ``LaunchError`` that names the state, and cancels the job (``scancel``) if the caller is
 interrupted or times out.
 
 The job inherits the submitting environment (``--export=ALL``): credentials and the spec's
 ``env`` travel that way and are never written into the script. The nodes must see this
-checkout and its interpreter (``slurm_python``) at the same paths, as on any shared filesystem.
+checkout and its interpreter (``launch.slurm.python``) at the same paths, as on any shared
+filesystem.
 """
 
 from __future__ import annotations
@@ -120,30 +121,31 @@ class SlurmLauncher:
                     f"launch.backend: slurm cannot use a {what} with whitespace or '#' in its "
                     f"path (#SBATCH lines do not quote), got {path!r}"
                 )
-        python = launch.slurm_python or sys.executable
+        slurm = launch.slurm
+        python = slurm.python or sys.executable
         header = [
             "#!/bin/bash",
-            f"#SBATCH --job-name={launch.slurm_job_name}",
+            f"#SBATCH --job-name={slurm.job_name}",
             f"#SBATCH --nodes={launch.nnodes}",
             "#SBATCH --ntasks-per-node=1",
-            f"#SBATCH --time={launch.slurm_time_limit}",
+            f"#SBATCH --time={slurm.time_limit}",
             f"#SBATCH --output={log_dir.replace('%', '%%')}/slurm-%j.out",
             f"#SBATCH --chdir={workdir}",
             "#SBATCH --export=ALL",
             "#SBATCH --no-requeue",  # relaunching (and resuming) is the caller's decision
         ]
-        if launch.slurm_partition:
-            header.append(f"#SBATCH --partition={launch.slurm_partition}")
-        if launch.slurm_account:
-            header.append(f"#SBATCH --account={launch.slurm_account}")
-        header += [f"#SBATCH {_long_option(arg)}" for arg in launch.slurm_sbatch_args]
+        if slurm.partition:
+            header.append(f"#SBATCH --partition={slurm.partition}")
+        if slurm.account:
+            header.append(f"#SBATCH --account={slurm.account}")
+        header += [f"#SBATCH {_long_option(arg)}" for arg in slurm.sbatch_args]
         body = [
             "# Rendered by titan_core.launch (backend slurm); `titan launch --dry-run` prints it.",
             "set -eo pipefail",
         ]
         if spec.env:
             body.append(f"# From the submitting environment: {' '.join(sorted(spec.env))}")
-        body += list(launch.slurm_setup)
+        body += list(slurm.setup)
         body.append("set -u")  # after the site's setup lines (some activate scripts trip on -u)
         if spec.env_unset:
             body.append(f"unset {' '.join(sorted(spec.env_unset))}")
@@ -158,7 +160,7 @@ class SlurmLauncher:
                 'head_addr=$(scontrol show node "$head_node" | '
                 "sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
                 f"rdzv_endpoint=${{head_addr:-$head_node}}:"
-                f"$(({launch.slurm_rdzv_port_base} + SLURM_JOB_ID % 1000))",
+                f"$(({slurm.rdzv_port_base} + SLURM_JOB_ID % 1000))",
             ]
         body.append(
             'echo "titan: job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST), '
@@ -264,7 +266,7 @@ class SlurmLauncher:
         if name == "FAILED" and not output.reached_srun:
             raise LaunchError(
                 f"training: Slurm job {job_id} FAILED before srun started (exit code "
-                f"{exit_code or '?'}): check launch.slurm_setup; output in {output.path}",
+                f"{exit_code or '?'}): check launch.slurm.setup; output in {output.path}",
                 returncode=1,
                 retryable=False,  # the same script would fail the same way
             )
@@ -276,7 +278,7 @@ class SlurmLauncher:
         A failed ``squeue`` call (busy controller) is not the end of the job: polling goes on,
         and only ``_MAX_QUERY_FAILURES`` failures in a row give up (cancelling the job).
         """
-        poll = spec.launch.slurm_poll_seconds
+        poll = spec.launch.slurm.poll_seconds
         deadline = None if spec.timeout_s is None else time.monotonic() + spec.timeout_s
         last_state, next_poll, failures = "", 0.0, 0
         while True:

@@ -13,18 +13,13 @@ from typing import Any
 import tomli_w
 
 from titan_core import storage
+from titan_core.config.manager import flatten_tables
 
 
 def config_params(config_url: str) -> dict[str, Any]:
-    """The stored config as flat params: ``section.field`` -> value, lists joined with commas
-    (as ``titan_core.config.manager.flatten`` does)."""
-    out: dict[str, Any] = {}
-    for section, table in tomllib.loads(storage.read_text(config_url)).items():
-        for name, value in table.items():
-            out[f"{section}.{name}"] = (
-                ",".join(str(v) for v in value) if isinstance(value, list) else value
-            )
-    return out
+    """The stored config as flat params: ``section.field`` (``section.sub.field`` in nested
+    sections) -> value, lists joined with commas, as ``titan_core.config.manager.flatten``."""
+    return flatten_tables(tomllib.loads(storage.read_text(config_url)))
 
 
 def record_seed(config_url: str, seed_url: str) -> None:
