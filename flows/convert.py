@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import flow
 
 from tasks.convert import convert_to_hf
@@ -18,15 +20,19 @@ def run_config_url(checkpoint: str) -> str:
 
 @flow(name="convert")
 def convert(
-    checkpoint: str, output: str = "", config_file: str = "", dtype: str = "bfloat16"
+    checkpoint: str,
+    output: str = "",
+    config_file: str = "",
+    overrides: dict[str, Any] | None = None,
 ) -> str:
     """Export ``checkpoint`` (a step dir, or a run's checkpoint folder = its newest step) to
-    ``output`` (default ``<run>/hf``); the job config defaults to the run's ``config.toml``.
-    Returns the export's URL."""
+    ``output`` (default ``<run>/hf``) as the job config's ``[convert]`` section says; the config
+    defaults to the run's ``config.toml``, ``overrides`` (dotted keys, e.g.
+    ``{"convert.dtype": "float32"}``) apply on top. Returns the export's URL."""
     from titan_core.evaluate import resolve_checkpoint
 
     step_dir = resolve_checkpoint(checkpoint).step_dir
     config_url = config_file or run_config_url(step_dir)
     return convert_to_hf(
-        step_dir, config_url, output=absolute(output) if output else "", dtype=dtype
+        step_dir, config_url, output=absolute(output) if output else "", overrides=overrides
     )

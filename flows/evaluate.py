@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import flow
 
 from tasks import evaluate as eval_tasks
@@ -11,11 +13,16 @@ from titan_core.pipeline.storage import absolute
 
 @flow(name="evaluate")
 def evaluate(
-    checkpoint: str, config_file: str = "", output: str = "", max_batches: int = 0
+    checkpoint: str,
+    config_file: str = "",
+    output: str = "",
+    overrides: dict[str, Any] | None = None,
 ) -> Evaluation:
-    """Evaluate ``checkpoint`` (step dir, checkpoint folder or run folder) and write its report
-    to ``<output or run>/eval/``; the job config defaults to the run's ``config.toml``.
-    Returns the metrics, the evaluated step and checkpoint, and the report's URL."""
+    """Evaluate ``checkpoint`` (step dir, checkpoint folder or run folder) as the job config's
+    ``[evaluate]`` section says and write its report to ``<output or run>/eval/``; the config
+    defaults to the run's ``config.toml``, ``overrides`` (dotted keys, e.g.
+    ``{"evaluate.batches": 2}``) apply on top. Returns the metrics, the evaluated step and
+    checkpoint, and the report's URL."""
     return eval_tasks.evaluate(
-        checkpoint, config_file, output=absolute(output) if output else "", max_batches=max_batches
+        checkpoint, config_file, output=absolute(output) if output else "", overrides=overrides
     )

@@ -68,10 +68,9 @@ def train_and_publish(
     the publication's fields (``Publication``) and the tracking URI as plain data."""
     checkpoint = train_with_retries(cfg)(paths.config, seed_url, tracking)
     upload_run_files(paths.config)
+    # Both stages read their settings ([convert], [evaluate]) from the run's stored config.
     hf_url = convert_to_hf(checkpoint, paths.config, tracking=tracking)
-    evaluation = evaluate(
-        checkpoint, paths.config, max_batches=cfg.evaluate.batches, tracking=tracking
-    )
+    evaluation = evaluate(checkpoint, paths.config, tracking=tracking)
     published = publish(
         paths.run_root, checkpoint, hf_url, evaluation, tracking, cfg.tracking.registered_model
     )

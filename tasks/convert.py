@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -23,12 +25,13 @@ def convert_to_hf(
     checkpoint_url: str,
     config_url: str,
     output: str = "",
-    dtype: str = "bfloat16",
     tracking: TrackingContext | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> str:
     """Export ``checkpoint_url`` (safetensors, config, tokenizer) to ``output`` (default
-    ``<run>/hf``); returns the folder's URL. An existing complete export is kept."""
-    export = export_checkpoint(checkpoint_url, config_url, output, dtype, tracking)
+    ``<run>/hf``) as the run's ``[convert]`` config says (``overrides``: dotted keys set on it);
+    returns the folder's URL. An existing complete export is kept."""
+    export = export_checkpoint(checkpoint_url, config_url, output, tracking, overrides)
     if export.kept:
         run_logger().info("Hugging Face export already complete at %s", redact(export.url))
     else:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -23,12 +25,13 @@ def evaluate(
     checkpoint_url: str,
     config_url: str = "",
     output: str = "",
-    max_batches: int = 0,
     tracking: TrackingContext | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Evaluation:
-    """Evaluate ``checkpoint_url`` and write ``<output>/eval/report.{json,md}`` (default
-    output: the checkpoint's run root); returns the metrics and the report's URL."""
-    result = evaluate_stage(checkpoint_url, config_url, output, max_batches, tracking)
+    """Evaluate ``checkpoint_url`` as the run's ``[evaluate]`` config says (``overrides``:
+    dotted keys set on it) and write ``<output>/eval/report.{json,md}`` (default output: the
+    checkpoint's run root); returns the metrics and the report's URL."""
+    result = evaluate_stage(checkpoint_url, config_url, output, tracking, overrides)
     metrics = result.metrics
     run_logger().info(
         "Step %d: eval loss %.4f, perplexity %.3f, bits/byte %.4f (%s tokens)",

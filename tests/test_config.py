@@ -15,7 +15,7 @@ import fsspec
 import pytest
 
 from titan_core.config import manager
-from titan_core.config.job import JobConfig
+from titan_core.config.job import JobConfig, Slurm
 from titan_core.config.manager import (
     ConfigManager,
     flatten,
@@ -351,10 +351,7 @@ def test_toml_round_trip_of_every_registry_config(tmp_path: Path, name: str) -> 
 def test_flatten_has_a_scalar_per_field() -> None:
     cfg = parse_args(["--checkpoint.exclude_from_loading", "optimizer", "dataloader"])
     flat = flatten(cfg)
-    expected_keys = {
-        f"{section}.{name}" for section, table in to_dict(cfg).items() for name in table
-    }
-    assert set(flat) == expected_keys
+    assert list(flat) == list(manager._schema(JobConfig))  # nested sections: launch.slurm.*
     assert flat["training.steps"] == 100 and flat["optimizer.name"] == "AdamW"
     assert flat["checkpoint.exclude_from_loading"] == "optimizer,dataloader"
     assert all(isinstance(v, bool | int | float | str) for v in flat.values())
@@ -390,6 +387,9 @@ def test_subprocess_help_lists_flags_and_docstrings() -> None:
         "--training.local-batch-size INT",
         "--checkpoint.exclude-from-loading",
         "--lr-scheduler.decay-type {linear,sqrt,cosine}",
+        "launch.slurm options Slurm batch jobs (backend slurm).",
+        "--launch.slurm.partition STR",
+        "--launch.slurm.sbatch-args [STR [STR ...]]",
     ):
         assert flag in text
     for doc in (
@@ -414,14 +414,19 @@ def test_subprocess_error_is_one_line_and_exit_2() -> None:
 
 def test_docs_toml_example_parses(tmp_path: Path) -> None:
     doc = (REPO / "docs" / "configuration.md").read_text()
-    blocks = re.findall(r"```toml\n(.*?)```", doc, flags=re.S)
-    assert len(blocks) == 1
-    path = write(tmp_path, blocks[0], "my_run.toml")
+    blocks = dict(re.findall(r"```toml\n# ([\w.]+)\n(.*?)```", doc, flags=re.S))
+    assert list(blocks) == ["my_run.toml", "slurm_settings.toml"]
+    path = write(tmp_path, blocks["my_run.toml"], "my_run.toml")
     cfg = parse_args([*DEBUG, "--job.config_file", path])
     assert cfg.training.steps == 500 and cfg.training.seq_len == 512
     assert cfg.training.local_batch_size == 8  # from the registry function
     assert cfg.checkpoint.exclude_from_loading == ["dataloader"]
     assert cfg.profiling.enable_memory_snapshot
+    path = write(tmp_path, blocks["slurm_settings.toml"], "slurm_settings.toml")
+    cfg = parse_args([*DEBUG, "--job.config_file", path])
+    assert (cfg.launch.backend, cfg.launch.nnodes) == ("slurm", 2)
+    assert cfg.launch.slurm.partition == "gpu"
+    assert cfg.launch.slurm.sbatch_args == ["gpus-per-node=8", "exclusive"]
 
 
 def test_docs_section_table_lists_every_section() -> None:
@@ -439,6 +444,7 @@ def test_docs_section_table_lists_every_section() -> None:
         ["--optimizer.name", "SGD"],
         ["--training.steps", "0"],
         ["--module", "gpt", "--config", "x"],
+        ["--launch.slurm_partition", "gpu"],
     ],
 )
 def test_docs_error_examples_match_the_code(argv: list[str]) -> None:
@@ -476,3 +482,144 @@ def test_mix_weights_are_normalised() -> None:
     from titan_core.config.job import parse_mix
 
     assert parse_mix(["s3://b/x=prefix/a=3", "b=1"]) == [("s3://b/x=prefix/a", 0.75), ("b", 0.25)]
+
+
+# -- nested sections ([launch.slurm]) ------------------------------------------------------------
+
+
+def test_nested_section_from_cli_and_toml_round_trip(tmp_path: Path) -> None:
+    argv = [*DEBUG, "--launch.slurm.partition", "gpu", "--launch.slurm.time-limit=30"]
+    argv += ["--launch.slurm.sbatch_args", "exclusive", "gpus-per-node=8"]
+    cfg = parse_args([*argv, "--launch.slurm.poll_seconds", "2"])
+    assert cfg.launch.slurm == Slurm(
+        partition="gpu", time_limit="30", sbatch_args=["exclusive", "gpus-per-node=8"],
+        poll_seconds=2.0,
+    )  # fmt: skip
+    text = to_toml(cfg)
+    assert '\n[launch.slurm]\npartition = "gpu"\n' in text
+    path = write(tmp_path, text)
+    again = parse_args(["--job.config_file", path])
+    assert again == dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, config_file=path))
+    flat = flatten(cfg)
+    assert flat["launch.slurm.partition"] == "gpu" and "launch.slurm" not in flat
+    assert flat["launch.slurm.sbatch_args"] == "exclusive,gpus-per-node=8"
+    # A nested table only changes the keys it names; an inline table reads the same.
+    path = write(tmp_path, '[launch]\nnnodes = 2\nslurm = { account = "proj" }\n')
+    cfg = parse_args([*DEBUG, "--job.config_file", path, "--launch.slurm.partition", "gpu"])
+    assert (cfg.launch.nnodes, cfg.launch.slurm.account, cfg.launch.slurm.partition) == (
+        2, "proj", "gpu",
+    )  # fmt: skip
+    assert cfg.launch.slurm.time_limit == Slurm().time_limit
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('[launch.slurm]\npartitio = "gpu"\n', "unknown key launch.slurm.partitio; did you mean "
+         "launch.slurm.partition or launch.slurm.python or launch.slurm.account?"),
+        ('[launch.slurmm]\npartition = "gpu"\n', "unknown section [launch.slurmm]; did you "
+         "mean [launch.slurm]?"),
+        ('[launch]\nslurm = "gpu"\n', "launch.slurm must be a [launch.slurm] table, got 'gpu'"),
+        ('[launch.slurm]\nrdzv_port_base = "x"\n', "launch.slurm.rdzv_port_base: expected an "
+         "int, got 'x'"),
+        ('[launch]\nslurm_partition = "gpu"\n', "unknown key launch.slurm_partition; it moved "
+         "to launch.slurm.partition"),
+    ],
+)  # fmt: skip
+def test_nested_toml_errors_are_one_line(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text)
+    assert config_error(["--job.config_file", path]) == f"{path}: {expected}"
+
+
+def test_old_flat_keys_name_the_new_key_at_every_door() -> None:
+    from titan_core.config.form import flow_values
+    from titan_core.config.resolve import resolve_job
+
+    assert config_error(["--launch.slurm_partition", "gpu"]) == (
+        "unknown option --launch.slurm_partition; it moved to --launch.slurm.partition"
+    )
+    assert config_error(["--launch.slurm-time-limit=30"]).endswith(
+        "it moved to --launch.slurm.time_limit"
+    )
+    with pytest.raises(ConfigError) as err:
+        resolve_job("", "", {"launch.slurm_partition": "gpu"})
+    assert str(err.value) == (
+        "launch.slurm_partition: unknown config key; it moved to launch.slurm.partition"
+    )
+    with pytest.raises(ConfigError) as err:
+        flow_values({"launch": {"slurm_partition": "gpu"}}, None)
+    assert str(err.value) == (
+        "config.launch.slurm_partition: no such section or field of the job config; it moved "
+        "to config.launch.slurm.partition"
+    )
+    assert flow_values({"launch": {"slurm": {"partition": "gpu"}}}, None) == {
+        "launch.slurm.partition": "gpu"
+    }
+    assert resolve_job("", "", {"launch.slurm.partition": "gpu"}).launch.slurm.partition == "gpu"
+    cfg = JobConfig()
+    cfg.launch.slurm.poll_seconds = 0
+    with pytest.raises(ConfigError, match=r"^launch\.slurm\.poll_seconds: expected > 0, got 0$"):
+        validate(cfg)  # the nested section's __post_init__ runs too
+    cfg.launch.slurm.poll_seconds = "1"  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match=r"^launch\.slurm\.poll_seconds: expected a float"):
+        validate(cfg)
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Inner:
+    """A nested section with a boolean and a list (Slurm has no boolean)."""
+
+    flag: bool = True
+    """A switch."""
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    """Some sizes."""
+
+    def __post_init__(self) -> None:
+        if any(size < 0 for size in self.sizes):
+            raise ConfigError(f"outer.inner.sizes: expected sizes >= 0, got {self.sizes!r}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Outer:
+    """A section holding a nested one."""
+
+    name: str = "x"
+    """A name."""
+    inner: _Inner = dataclasses.field(default_factory=_Inner)
+    """The nested section."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class _NestedConfig(JobConfig):
+    """JobConfig plus a section whose nested section has a boolean and a list."""
+
+    outer: _Outer = dataclasses.field(default_factory=_Outer)
+    """The extra section."""
+
+
+def test_nested_booleans_and_lists(tmp_path: Path) -> None:
+    parse = ConfigManager(_NestedConfig).parse_args
+    cfg = parse(["--outer.inner.no_flag", "--outer.inner.sizes", "1", "2"])
+    assert isinstance(cfg, _NestedConfig) and cfg.outer.inner == _Inner(flag=False, sizes=[1, 2])
+    assert parse(["--outer.inner.no-flag", "--outer.inner.flag"]).outer.inner.flag
+    assert parse(["--outer.inner.sizes=3,4"]).outer.inner.sizes == [3, 4]
+    for argv, expected in [
+        (["--outer.inner.flag=false"], "--outer.inner.flag=false: boolean options are flags; "
+         "use --outer.inner.no_flag (or --outer.inner.flag to enable)"),
+        (["--outer.no_inner_flag"], "unknown option --outer.no_inner_flag; it moved to "
+         "--outer.inner.no_flag"),
+        (["--outer.inner_sizes", "1"], "unknown option --outer.inner_sizes; it moved to "
+         "--outer.inner.sizes"),
+        (["--outer.inner.sizes", "x"], "--outer.inner.sizes: expected a list of values, each "
+         "an int, got 'x'"),
+        (["--outer.inner.sizes", "-1"], "outer.inner.sizes: expected sizes >= 0, got [-1]"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            parse(argv)
+        assert str(err.value) == expected
+    path = write(tmp_path, to_toml(cfg))
+    assert "[outer.inner]\nflag = false\n" in Path(path).read_text()
+    assert parse(["--job.config_file", path]).outer == cfg.outer
+    path = write(tmp_path, "[outer.inner]\nflag = 1\n")
+    with pytest.raises(ConfigError, match=r"outer\.inner\.flag: expected true or false, got 1$"):
+        parse(["--job.config_file", path])

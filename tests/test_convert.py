@@ -37,12 +37,14 @@ from titan_core.checkpoint.dcp_io import dcp_reader
 from titan_core.checkpoint.manager import COMMIT_MARKER
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import load_toml, parse_args
+from titan_core.config.resolve import apply_values
 from titan_core.convert import cli
 from titan_core.convert.dcp_direct import DataFiles, _payload_offset, locate
 from titan_core.convert.dcp_to_hf import dcp_to_hf, hf_config
 from titan_core.convert.hf_to_dcp import hf_to_dcp, model_args_from_hf_config
 from titan_core.convert.shard_writer import ShardWriter
 from titan_core.data import Tokenizer, default_tokenizer_path
+from titan_core.errors import ConfigError
 from titan_core.models.llama3 import Transformer, llama3_flavors
 from titan_core.models.llama3.state_dict_adapter import _to_rotate_half
 from titan_core.train import run
@@ -684,8 +686,23 @@ _TO_HF_CASES = {
         ["--max-shard-size", str(SHARD)],
         "cannot read model.output.weight from",  # bf16: in the second of two shards
     ),
-    "bad-dtype": (lambda step: None, ["--dtype", "fp16"], "expected bf16 or fp32"),
-    "bad-shard-size": (lambda step: None, ["--max-shard-size", "5XB"], "--max-shard-size"),
+    # The settings are config keys (--dtype/--max-shard-size are aliases): errors name the key.
+    "bad-dtype": (
+        lambda step: None,
+        ["--dtype", "fp16"],
+        "convert.dtype: expected one of 'bfloat16', 'float32', got 'fp16'",
+    ),
+    "bad-shard-size": (
+        lambda step: None,
+        ["--max-shard-size", "5XB"],
+        "convert.max_shard_size: expected a size like 5GB",
+    ),
+    "bad-shard-key": (lambda step: None, ["--convert.max_shard_size", "0MB"], "got '0MB'"),
+    "alias-and-key": (
+        lambda step: None,
+        ["--dtype", "fp32", "--convert.dtype", "float32"],
+        "--dtype: an alias of --convert.dtype, which is given too; give one",
+    ),
 }
 
 
@@ -737,6 +754,37 @@ def test_hf_to_dcp_bad_input(
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: "), err
     assert expected in err, err
     _assert_nothing_at(output)
+
+
+def test_convert_section_drives_the_export(job: dict[str, Any], tmp_path: Path) -> None:
+    """[convert] in the job's config decides dtype and sharding; --convert.x overrides it; the
+    pipeline's export stage reads the same keys (from the run's config, plus overrides)."""
+    from titan_core.pipeline.export import export_checkpoint
+
+    text = (job["dump"] / "config.toml").read_text()
+    assert '[convert]\ndtype = "bfloat16"\nmax_shard_size = "5GB"' in text  # saved by training
+    config = tmp_path / "job.toml"
+    config.write_text(text.replace('dtype = "bfloat16"\nmax_shard_size = "5GB"',
+                                   f'dtype = "float32"\nmax_shard_size = "{SHARD}"'))  # fmt: skip
+    argv = ["dcp-to-hf", "--checkpoint", str(job["step"]), "--config-file", str(config)]
+    assert cli.main([*argv, "--output", str(tmp_path / "a"), "--no-progress"]) == 0
+    shards = sorted((tmp_path / "a").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    assert all(t.dtype == torch.float32 for t in hf_tensors(tmp_path / "a").values())
+    override = ["--output", str(tmp_path / "b"), "--convert.dtype", "bfloat16"]
+    assert cli.main([*argv, *override, "--convert.max_shard_size", "1GB"]) == 0
+    (single,) = (tmp_path / "b").glob("model-*")
+    assert single.name == "model-00001-of-00001.safetensors"
+    assert all(t.dtype == torch.bfloat16 for t in hf_tensors(tmp_path / "b").values())
+    values = {"convert.dtype": "float32", "convert.max_shard_size": str(SHARD)}
+    export = export_checkpoint(str(job["step"]), str(job["dump"] / "config.toml"),
+                               str(tmp_path / "c"), overrides=values)  # fmt: skip
+    assert export.num_shards == len(shards) and not export.kept
+    assert_bitwise(hf_tensors(tmp_path / "c"), hf_tensors(tmp_path / "a"))
+    with pytest.raises(ConfigError, match=r"^convert\.dtype: expected one of"):
+        export_checkpoint(str(job["step"]), str(config), str(tmp_path / "d"),
+                          overrides={"convert.dtype": "fp8"})  # fmt: skip
+    assert not (tmp_path / "d").exists()
 
 
 def test_existing_output_is_left_alone(
@@ -800,7 +848,7 @@ def test_documented_commands_parse(
         if ns.direction == "hf-to-dcp":
             assert rest == [], line
             continue
-        assert ns.dtype in cli._DTYPE_ALIASES and cli.parse_size(ns.max_shard_size) > 0
+        values = cli._alias_values(ns, rest)  # the aliases' [convert] values, checked below
         saved_config = job["dump"] / "config.toml"
         for path in (ns.config_file, str(Path(ns.checkpoint).parent.parent / "config.toml")):
             if path and not storage.is_url(path):
@@ -811,5 +859,5 @@ def test_documented_commands_parse(
                 m.setattr(cli.storage, "exists", lambda path: True)
             argv = cli._job_config_argv(ns, rest)
         argv = [str(saved_config) if storage.is_url(a) else a for a in argv]
-        assert parse_args(argv).model.name == "llama3", line
+        assert apply_values(parse_args(argv), values).model.name == "llama3", line
     assert {shlex.split(c)[2] for c in commands} == {"dcp-to-hf", "hf-to-dcp"}

@@ -11,10 +11,12 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import fsspec
 import pytest
+import tomli_w
 import torch
 from helpers import TINY
 from torch import nn
@@ -22,6 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titan_core.checkpoint.manager import COMMIT_MARKER
 from titan_core.config.manager import parse_args
+from titan_core.config.resolve import apply_values
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.evaluate import (
     compute_metrics,
@@ -38,6 +41,7 @@ from titan_core.train import run
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 64  # llama3_debugmodel_tiny's training.seq_len
+ONE_BATCH = {"evaluate.batches": 1, "evaluate.prompts": []}
 # dcp_to_torch_save, used to load weights independently of titan's loader, warns in one process.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -84,8 +88,9 @@ def test_metrics_match_a_plain_loop(run_dir: Path, tmp_path: Path, tokenizer: To
     rows = (default_tokenizer_path().parents[1] / "corpus/validation/part-0000.jsonl").read_text()
     (tmp_path / "val.jsonl").write_text("".join(rows.splitlines(keepends=True)[:12]))
     overrides = ["--validation.dataset", str(tmp_path / "val.jsonl")]
-    overrides += ["--validation.local_batch_size", "16"]
-    report = evaluate_checkpoint(str(run_dir / "checkpoint"), config_argv=overrides, prompts=[])
+    overrides += ["--validation.local_batch_size", "16", "--evaluate.batches", "0"]
+    overrides += ["--evaluate.prompts"]  # an empty list: no samples
+    report = evaluate_checkpoint(str(run_dir / "checkpoint"), config_argv=overrides)
     assert report["step"] == 4 and report["checkpoint"].endswith("step-4")  # newest complete
     model = _titan_model(run_dir / "checkpoint" / "step-4", tokenizer.n_words)
     chunks = _chunks(tokenizer, tmp_path / "val.jsonl")
@@ -190,11 +195,36 @@ def test_cli_writes_report_with_overrides(run_dir: Path, tmp_path: Path) -> None
     assert "# Evaluation of step 2" in md and "**Hello**" in md
 
 
+def test_evaluate_section_drives_eval(run_dir: Path, tmp_path: Path) -> None:
+    """[evaluate] in the job's config decides batches, prompts and sample length; --evaluate.x
+    overrides it; the pipeline's evaluate stage reads the same keys (plus overrides)."""
+    from titan_core.pipeline.evaluation import evaluate_stage
+
+    saved = tomllib.loads((run_dir / "config.toml").read_text())
+    assert saved["evaluate"]["batches"] == 20  # training saved the section with the run
+    saved["evaluate"] |= {"batches": 2, "prompts": ["To be, or not"], "max_new_tokens": 3}
+    job = tmp_path / "job.toml"
+    job.write_text(tomli_w.dumps(saved))
+    argv = ["--checkpoint", str(run_dir / "checkpoint"), "--config-file", str(job)]
+    assert eval_main([*argv, "--output", str(tmp_path / "a")]) == 0
+    report = json.loads((tmp_path / "a" / "eval" / "report.json").read_text())
+    assert report["metrics"]["num_batches"] == 2 and report["config"]["max_batches"] == 2
+    (sample,) = report["samples"]  # a comma inside a prompt stays in it (TOML list)
+    assert sample["prompt"] == "To be, or not" and len(sample["new_tokens"]) <= 3
+    assert eval_main([*argv, "--output", str(tmp_path / "b"), "--evaluate.batches", "1"]) == 0
+    report = json.loads((tmp_path / "b" / "eval" / "report.json").read_text())
+    assert report["metrics"]["num_batches"] == 1 and len(report["samples"]) == 1
+    result = evaluate_stage(str(run_dir / "checkpoint"), str(job), str(tmp_path / "c"),
+                            overrides={"evaluate.prompts": []})  # fmt: skip
+    report = json.loads(Path(result.report_url).read_text())
+    assert report["metrics"]["num_batches"] == 2 and report["samples"] == []
+
+
 def test_storage_urls_and_explicit_config(run_dir: Path, tmp_path: Path) -> None:
     fs = fsspec.filesystem("memory")
     fs.put(str(run_dir / "config.toml"), "/evalrun/config.toml")
     fs.put(str(run_dir / "checkpoint" / "step-4"), "/evalrun/checkpoint/step-4", recursive=True)
-    report = evaluate_checkpoint("memory://evalrun/checkpoint", max_batches=1, prompts=[])
+    report = evaluate_checkpoint("memory://evalrun/checkpoint", values=ONE_BATCH)
     saved = json.loads(fs.cat("/evalrun/eval/report.json"))
     assert saved["step"] == 4 and saved["metrics"] == report["metrics"]
     fs.rm("/evalrun", recursive=True)
@@ -215,7 +245,7 @@ def test_storage_urls_and_explicit_config(run_dir: Path, tmp_path: Path) -> None
     assert eval_main([*args, *TINY]) == 0
     assert json.loads((tmp_path / "bare" / "eval" / "report.json").read_text())["step"] == 4
     # A run folder stands for its checkpoint/ folder.
-    assert evaluate_checkpoint(str(run_dir), max_batches=1, prompts=[])["step"] == 4
+    assert evaluate_checkpoint(str(run_dir), values=ONE_BATCH)["step"] == 4
 
 
 @pytest.mark.multiprocess
@@ -258,7 +288,12 @@ def _incomplete(run_dir: Path, tmp_path: Path) -> str:
         ("incomplete", [], "is incomplete (no .titan_complete"),
         ("no_steps", [], "holds no complete step-N checkpoint"),
         ("run", ["--model.n_layers", "1"], "has the extra tensor layers.1"),
-        ("run", ["--max-batches", "-1"], "--max-batches: expected an int >= 0"),
+        ("run", ["--max-batches", "-1"], "evaluate.batches: expected an int >= 0"),
+        ("run", ["--evaluate.batches", "-1"], "evaluate.batches: expected an int >= 0"),
+        ("run", ["--evaluate.max_new_tokens", "-2"], "evaluate.max_new_tokens: expected >= 0"),
+        ("run", ["--evaluate.lm_eval_tasks", "t"], "evaluate.lm_eval_task_dir: expected a"),
+        ("run", ["--max-batches", "2", "--evaluate.batches", "3"], "--max-batches: an alias of"),
+        ("run", ["--hf-folder", "hf"], "--hf-folder: lm-eval runs only with evaluate.lm_eval"),
         ("run", ["--training.bogus", "1"], "unknown option --training.bogus"),
         ("run", ["--max-batches"], "--max-batches: expected one argument"),
         ("run", ["--validation.dataset", "SMALL"], "fewer than training.seq_len + 1 = 65 tokens"),
@@ -320,7 +355,11 @@ def test_lm_eval_inputs_checked_first(
     assert eval_main(argv) == 2
     assert "lm-eval is not installed" in capsys.readouterr().err
     assert eval_main([*argv[:4], "--lm-eval-tasks", "t"]) == 2
-    assert "--lm-eval-task-dir: required" in capsys.readouterr().err
+    assert "evaluate.lm_eval_task_dir: expected a local folder" in capsys.readouterr().err
+    # The config keys switch lm-eval on as the flags do.
+    keys = ["--evaluate.lm_eval_tasks", "t", "--evaluate.lm_eval_task_dir", str(tmp_path / "t")]
+    assert eval_main([*argv[:4], *keys]) == 2
+    assert "evaluate.lm_eval_tasks: lm-eval is not installed" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -416,8 +455,8 @@ def test_documented_commands_parse(tmp_path: Path, monkeypatch: pytest.MonkeyPat
                     commands.append(words[starts[0] + len(head) :])
     assert len(commands) >= 10
     for argv in commands:
-        ns, config_argv = parse_eval_args(argv)
+        ns, config_argv, values = parse_eval_args(argv)
         assert ns.checkpoint
         if "--module" not in config_argv:  # the run's config.toml stands in for the registry
             config_argv = [*TINY, *config_argv]
-        parse_args(config_argv)
+        apply_values(parse_args(config_argv), values)

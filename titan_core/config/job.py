@@ -557,12 +557,29 @@ class Validation:
         _require(self.steps > 0, "validation.steps", "an int > 0", self.steps)
 
 
+DEFAULT_PROMPTS = ["The Python language", "To be, or not to be,", "A list comprehension"]
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
 @dataclass(kw_only=True)
 class Evaluate:
-    """The pipeline's evaluation of the trained checkpoint (``titan eval`` takes flags)."""
+    """Evaluation of a checkpoint, by the pipeline's evaluate stage and by ``titan eval``."""
 
     batches: int = 20
-    """Held-out batches scored by the pipeline's evaluate stage; 0 = the whole split."""
+    """Held-out batches scored (validation.* says which data); 0 = the whole split."""
+    prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
+    """Prompts of the report's greedy samples; an empty list skips generation."""
+    max_new_tokens: int = 32
+    """Most tokens generated per greedy sample."""
+    lm_eval_tasks: list[str] = field(default_factory=list)
+    """lm-eval tasks from lm_eval_task_dir, run offline on the HF export; empty runs none."""
+    lm_eval_task_dir: str = ""
+    """Local folder of lm-eval task YAMLs (needed with lm_eval_tasks)."""
+    lm_eval_limit: float = 0.0
+    """Documents per lm-eval task (a fraction of each when < 1); 0 runs them all."""
+    lm_eval_batch_size: int = 8
+    """Sequences per forward pass in the lm-eval harness."""
 
     def __post_init__(self) -> None:
         _require(
@@ -571,6 +588,47 @@ class Evaluate:
             "an int >= 0 (0 = all)",
             self.batches,
         )
+        _require(self.max_new_tokens >= 0, "evaluate.max_new_tokens", ">= 0", self.max_new_tokens)
+        _require(all(self.prompts), "evaluate.prompts", "non-empty prompts", self.prompts)
+        _require(
+            all(self.lm_eval_tasks), "evaluate.lm_eval_tasks", "task names", self.lm_eval_tasks
+        )
+        _require(
+            not self.lm_eval_tasks or bool(self.lm_eval_task_dir),
+            "evaluate.lm_eval_task_dir",
+            "a local folder of task YAMLs with evaluate.lm_eval_tasks",
+            self.lm_eval_task_dir,
+        )
+        _require(self.lm_eval_limit >= 0, "evaluate.lm_eval_limit", ">= 0", self.lm_eval_limit)
+        _require(
+            self.lm_eval_batch_size >= 1,
+            "evaluate.lm_eval_batch_size",
+            "an int >= 1",
+            self.lm_eval_batch_size,
+        )
+
+
+def parse_size(text: str, key: str = "convert.max_shard_size") -> int:
+    """Bytes in ``5GB`` / ``500MB`` / ``2GiB`` / ``123`` (decimal units, as transformers)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(f"{key}: expected a size like 5GB, 500MB or 2GiB, got {text!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+@dataclass(kw_only=True)
+class Convert:
+    """Export of a DCP checkpoint as a Hugging Face folder (the pipeline's convert stage and
+    ``titan convert dcp-to-hf``). The checkpoint's own dtype is checkpoint.export_dtype."""
+
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the exported weights; float32 keeps a float32 checkpoint's bit for bit."""
+    max_shard_size: str = "5GB"
+    """Largest safetensors shard, e.g. 5GB, 500MB, 2GiB or bytes (a larger tensor gets its own)."""
+
+    def __post_init__(self) -> None:
+        parse_size(self.max_shard_size)
 
 
 @dataclass(kw_only=True)
@@ -588,6 +646,66 @@ class Debug:
 
 
 # --- pipeline: launching, storage and tracking (used by tasks/ and flows/) ----------------------
+
+
+@dataclass(kw_only=True)
+class Slurm:
+    """Slurm batch jobs of the slurm launcher (``[launch.slurm]``)."""
+
+    partition: str = ""
+    """Partition (sbatch --partition); empty: the cluster's default."""
+    account: str = ""
+    """Account to charge (sbatch --account); empty: the user's default."""
+    time_limit: str = "04:00:00"
+    """Job time limit (sbatch --time), e.g. 30, 04:00:00 or 2-00:00:00."""
+    job_name: str = "titan"
+    """Job name (sbatch --job-name)."""
+    sbatch_args: list[str] = field(default_factory=list)
+    """Extra sbatch options, one per item: gpus-per-node=8, exclusive (-- optional)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run on the batch node before srun (module load, source a venv)."""
+    python: str = ""
+    """Python on the nodes; empty: this interpreter (the nodes share its filesystem)."""
+    rdzv_port_base: int = 29500
+    """Rendezvous port = base + job id % 1000 (jobs sharing a head node differ)."""
+    poll_seconds: float = 10.0
+    """Seconds between squeue polls (output is streamed more often)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            bool(re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", self.time_limit)),
+            "launch.slurm.time_limit",
+            "minutes, [D-]HH:MM[:SS] or MM:SS",
+            self.time_limit,
+        )
+        _require(
+            1 <= self.rdzv_port_base <= 64535,
+            "launch.slurm.rdzv_port_base",
+            "a port in 1..64535",
+            self.rdzv_port_base,
+        )
+        _require(self.poll_seconds > 0, "launch.slurm.poll_seconds", "> 0", self.poll_seconds)
+        for arg in self.sbatch_args:
+            _require(
+                bool(re.fullmatch(r"(--?)?[A-Za-z][\w-]*(=[^\s#]+)?", arg)),
+                "launch.slurm.sbatch_args",
+                "sbatch options such as exclusive or gpus-per-node=8, one per item",
+                arg,
+            )
+        for key in ("partition", "account"):
+            value = getattr(self, key)
+            _require(
+                bool(re.fullmatch(r"[\w.,+-]*", value)),
+                f"launch.slurm.{key}",
+                "a Slurm name (letters, digits and . , _ + -)",
+                value,
+            )
+        _require(
+            bool(re.fullmatch(r"[\w.+-]+", self.job_name)),
+            "launch.slurm.job_name",
+            "letters, digits and . _ + -",
+            self.job_name,
+        )
 
 
 @dataclass(kw_only=True)
@@ -609,30 +727,14 @@ class Launch:
     """OMP_NUM_THREADS of every rank; 0 keeps the environment's value."""
     log_ranks: str = "0"
     """Ranks whose output is streamed: a comma list of global ranks such as 0,1, or all."""
-    slurm_partition: str = ""
-    """slurm: partition (sbatch --partition); empty: the cluster's default."""
-    slurm_account: str = ""
-    """slurm: account to charge (sbatch --account); empty: the user's default."""
-    slurm_time_limit: str = "04:00:00"
-    """slurm: job time limit (sbatch --time), e.g. 30, 04:00:00 or 2-00:00:00."""
-    slurm_job_name: str = "titan"
-    """slurm: job name (sbatch --job-name)."""
-    slurm_sbatch_args: list[str] = field(default_factory=list)
-    """slurm: extra sbatch options, one per item: gpus-per-node=8, exclusive (-- optional)."""
-    slurm_setup: list[str] = field(default_factory=list)
-    """slurm: shell lines run on the batch node before srun (module load, source a venv)."""
-    slurm_python: str = ""
-    """slurm: Python on the nodes; empty: this interpreter (the nodes share its filesystem)."""
-    slurm_rdzv_port_base: int = 29500
-    """slurm: rendezvous port = base + job id % 1000 (jobs sharing a head node differ)."""
-    slurm_poll_seconds: float = 10.0
-    """slurm: seconds between squeue polls (output is streamed more often)."""
     retries: int = 2
     """Pipeline relaunches of failed training, each resuming from the newest complete checkpoint."""
     retry_delay_seconds: float = 10.0
     """Seconds before the first relaunch; doubles with each further attempt."""
     device_memory_gib: float = 0.0
     """Memory per device the preflight estimate must fit in; 0 = the GPU's own (none on CPU)."""
+    slurm: Slurm = field(default_factory=Slurm)
+    """Slurm batch jobs (backend slurm)."""
 
     def __post_init__(self) -> None:
         for key in ("nproc_per_node", "nnodes"):
@@ -661,45 +763,6 @@ class Launch:
             "launch.log_ranks",
             "a comma list of ranks (e.g. 0,1) or all",
             self.log_ranks,
-        )
-        _require(
-            bool(re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", self.slurm_time_limit)),
-            "launch.slurm_time_limit",
-            "minutes, [D-]HH:MM[:SS] or MM:SS",
-            self.slurm_time_limit,
-        )
-        _require(
-            1 <= self.slurm_rdzv_port_base <= 64535,
-            "launch.slurm_rdzv_port_base",
-            "a port in 1..64535",
-            self.slurm_rdzv_port_base,
-        )
-        _require(
-            self.slurm_poll_seconds > 0,
-            "launch.slurm_poll_seconds",
-            "> 0",
-            self.slurm_poll_seconds,
-        )
-        for arg in self.slurm_sbatch_args:
-            _require(
-                bool(re.fullmatch(r"(--?)?[A-Za-z][\w-]*(=[^\s#]+)?", arg)),
-                "launch.slurm_sbatch_args",
-                "sbatch options such as exclusive or gpus-per-node=8, one per item",
-                arg,
-            )
-        for key in ("slurm_partition", "slurm_account"):
-            value = getattr(self, key)
-            _require(
-                bool(re.fullmatch(r"[\w.,+-]*", value)),
-                f"launch.{key}",
-                "a Slurm name (letters, digits and . , _ + -)",
-                value,
-            )
-        _require(
-            bool(re.fullmatch(r"[\w.+-]+", self.slurm_job_name)),
-            "launch.slurm_job_name",
-            "letters, digits and . _ + -",
-            self.slurm_job_name,
         )
 
 
@@ -773,7 +836,9 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     """Validation loss."""
     evaluate: Evaluate = field(default_factory=Evaluate)
-    """The pipeline's evaluation."""
+    """Evaluation of checkpoints."""
+    convert: Convert = field(default_factory=Convert)
+    """Hugging Face export of checkpoints."""
     debug: Debug = field(default_factory=Debug)
     """Seeds and determinism."""
     launch: Launch = field(default_factory=Launch)

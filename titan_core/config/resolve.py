@@ -76,6 +76,14 @@ def cli_values(argv: list[str], config_cls: type = JobConfig) -> dict[str, Any]:
     return _scan_cli(list(argv), _schema(config_cls))[0]
 
 
+def apply_values(cfg: JobConfig, values: Mapping[str, Any]) -> JobConfig:
+    """A copy of ``cfg`` with the dotted-key ``values`` set, checked as ``resolve_job`` checks
+    them (e.g. ``{"evaluate.batches": 2}``); validated."""
+    cfg = _apply(cfg, typed_values(values))
+    validate(cfg)
+    return cfg
+
+
 def resolve_job(
     recipe: str = "", config_file: str = "", values: Mapping[str, Any] | None = None
 ) -> JobConfig:

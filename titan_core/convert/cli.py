@@ -1,14 +1,16 @@
 """``titan convert``: checkpoint conversion between DCP and Hugging Face folders.
 
-    titan convert dcp-to-hf --checkpoint URL --output URL [--dtype bf16|fp32]
-        [--max-shard-size 5GB] [--module M --config C | --config-file F] [--section.field v ...]
+    titan convert dcp-to-hf --checkpoint URL --output URL
+        [--module M --config C | --config-file F] [--section.field v ...]
     titan convert hf-to-dcp --hf PATH_OR_URL --output URL
 
 dcp-to-hf needs the job's model config: by default the ``config.toml`` a training job saved two
 levels above ``<dump>/checkpoint/step-N``, else the model the checkpoint's commit marker describes
 (every checkpoint ``titan train`` or ``hf-to-dcp`` writes does); ``--module/--config``,
 ``--config-file`` and config overrides (e.g. ``--model.n_layers 4``, ``--tokenizer.path P``)
-replace or adjust it.
+replace or adjust it. The export's settings are that config's ``[convert]`` section
+(``--convert.dtype float32``, ``--convert.max_shard_size 500MB``); ``--dtype bf16|fp32`` and
+``--max-shard-size`` are aliases of those keys.
 Paths may be local or fsspec URLs (``s3://``, credentials from the AWS_* environment).
 """
 
@@ -17,31 +19,15 @@ from __future__ import annotations
 import argparse
 import os
 import posixpath
-import re
 import sys
 from typing import NoReturn
 
 from titan_core import storage
+from titan_core.config.job import parse_size
 from titan_core.errors import ConfigError, TitanError
 
-_DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp32": "float32",
-    "float32": "float32",
-}
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+# --dtype's abbreviations of convert.dtype's values (the full names work too).
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,17 +36,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """Raise the message as a ConfigError (printed by ``main`` as one line)."""
         raise ConfigError(f"{self.prog}: {message}")
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``5GB`` / ``500MB`` / ``2GiB`` / ``123`` (decimal units, as transformers)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
-        raise ConfigError(
-            f"--max-shard-size: expected a size like 5GB, 500MB or 2GiB, got {text!r}"
-        )
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def _build_parser() -> _Parser:
@@ -76,14 +51,15 @@ def _build_parser() -> _Parser:
         help="DCP checkpoint -> Hugging Face folder",
         allow_abbrev=False,
         epilog="Any other --section.field VALUE overrides the model config (e.g. "
-        "--model.n_layers 4, --tokenizer.path P). Without --module/--config or --config-file "
+        "--model.n_layers 4, --tokenizer.path P) or the export (--convert.dtype float32, "
+        "--convert.max_shard_size 500MB). Without --module/--config or --config-file "
         "the config is the config.toml two levels above the checkpoint (<dump>/config.toml), "
         "else the model the checkpoint describes.",
     )
     to_hf.add_argument("--checkpoint", required=True, help="DCP step directory (path or URL)")
     to_hf.add_argument("--output", required=True, help="new HF folder (path or URL)")
-    to_hf.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32")
-    to_hf.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB (default)")
+    to_hf.add_argument("--dtype", help="alias of --convert.dtype (bf16 or fp32 accepted too)")
+    to_hf.add_argument("--max-shard-size", help="alias of --convert.max_shard_size, e.g. 500MB")
     to_hf.add_argument("--module", help="config registry module (with --config), e.g. llama3")
     to_hf.add_argument("--config", help="config registry function, e.g. llama3_debugmodel")
     to_hf.add_argument("--config-file", help="a job's TOML config (e.g. <dump>/config.toml)")
@@ -127,6 +103,22 @@ def _job_config_argv(ns: argparse.Namespace, overrides: list[str]) -> list[str]:
     return argv + overrides
 
 
+def _alias_values(ns: argparse.Namespace, overrides: list[str]) -> dict[str, str]:
+    """``[convert]`` values of the alias flags; both an alias and its key given is an error."""
+    given = {t[2:].partition("=")[0].replace("-", "_") for t in overrides if t.startswith("--")}
+    values = {}
+    for flag, key, value in (
+        ("--dtype", "convert.dtype", ns.dtype),
+        ("--max-shard-size", "convert.max_shard_size", ns.max_shard_size),
+    ):
+        if value is None:
+            continue
+        if key in given:
+            raise ConfigError(f"{flag}: an alias of --{key}, which is given too; give one")
+        values[key] = _DTYPE_ALIASES.get(value, value) if flag == "--dtype" else value
+    return values
+
+
 def _local_dirname(path: str) -> str:
     return os.path.dirname(os.path.abspath(path.removeprefix("file://")))
 
@@ -134,16 +126,14 @@ def _local_dirname(path: str) -> str:
 def _dcp_to_hf(ns: argparse.Namespace, overrides: list[str]) -> int:
     from titan_core.build import build_model_args
     from titan_core.config.manager import parse_args
+    from titan_core.config.resolve import apply_values
     from titan_core.convert import storage_errors
     from titan_core.convert.dcp_to_hf import dcp_to_hf
     from titan_core.data import Tokenizer, default_tokenizer_path
 
-    dtype = _DTYPE_ALIASES.get(ns.dtype)
-    if dtype is None:
-        raise ConfigError(f"--dtype: expected bf16 or fp32, got {ns.dtype!r}")
-    max_shard_size = parse_size(ns.max_shard_size)
+    values = _alias_values(ns, overrides)
     with storage_errors(ns.checkpoint):  # the config may be read from next to it, e.g. on S3
-        cfg = parse_args(_job_config_argv(ns, overrides))
+        cfg = apply_values(parse_args(_job_config_argv(ns, overrides)), values)
     tokenizer_path = cfg.tokenizer.path or str(default_tokenizer_path())
     model_args = build_model_args(cfg, Tokenizer(tokenizer_path).n_words)
     progress = sys.stderr.isatty() if ns.progress is None else ns.progress
@@ -152,8 +142,8 @@ def _dcp_to_hf(ns: argparse.Namespace, overrides: list[str]) -> int:
         ns.output,
         model_args=model_args,
         tokenizer_path=tokenizer_path,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
+        dtype=cfg.convert.dtype,
+        max_shard_size=parse_size(cfg.convert.max_shard_size),
         progress=progress,
         model_name=cfg.model.name,
     )

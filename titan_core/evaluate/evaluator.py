@@ -19,8 +19,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -33,16 +33,11 @@ from titan_core.build import build_model_args
 from titan_core.components.validate import validation_data
 from titan_core.config.dtypes import autocast_dtype
 from titan_core.config.job import JobConfig
+from titan_core.config.resolve import apply_values
 from titan_core.data import Tokenizer, build_dataloader, default_tokenizer_path
 from titan_core.distributed.utils import destroy_process_group, init_distributed
 from titan_core.errors import ConfigError, DataError
-from titan_core.evaluate.generate import (
-    DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_PROMPTS,
-    Sample,
-    autocast_context,
-    generate_samples,
-)
+from titan_core.evaluate.generate import Sample, autocast_context, generate_samples
 from titan_core.evaluate.harness import LmEvalOptions, check_inputs, run_lm_eval
 from titan_core.evaluate.loading import (
     ResolvedCheckpoint,
@@ -193,48 +188,51 @@ class _Inputs:
     cfg: JobConfig
     tokenizer: Tokenizer
     loader: Iterable[Batch]
-    hf_folder: str
+    lm_eval: LmEvalOptions | None
+
+
+def lm_eval_options(cfg: JobConfig, hf_folder: str = "") -> LmEvalOptions | None:
+    """The lm-eval run that ``evaluate.lm_eval_*`` asks for (on ``hf_folder``), or None."""
+    ev = cfg.evaluate
+    if not ev.lm_eval_tasks:
+        if hf_folder:
+            raise ConfigError("--hf-folder: lm-eval runs only with evaluate.lm_eval_tasks set")
+        return None
+    return LmEvalOptions(
+        tasks=list(ev.lm_eval_tasks),
+        task_dir=ev.lm_eval_task_dir,
+        hf_folder=hf_folder,
+        limit=ev.lm_eval_limit or None,
+        batch_size=ev.lm_eval_batch_size,
+    )
 
 
 def _check_inputs(
-    checkpoint: str,
-    config_argv: Sequence[str],
-    prompts: Sequence[str],
-    max_new_tokens: int,
-    max_batches: int,
-    lm_eval: LmEvalOptions | None,
+    checkpoint: str, config_argv: Sequence[str], values: Mapping[str, Any], hf_folder: str
 ) -> _Inputs:
-    if max_new_tokens < 0:
-        raise ConfigError(f"--max-new-tokens: expected an int >= 0, got {max_new_tokens}")
-    if max_batches < 0:
-        raise ConfigError(f"--max-batches: expected an int >= 0 (0 = all), got {max_batches}")
     ckpt = resolve_checkpoint(checkpoint)
     cfg = resolve_config(ckpt, list(config_argv))
+    if values:
+        cfg = apply_values(cfg, values)
+    lm_eval = lm_eval_options(cfg, hf_folder)
     tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
     loader = validation_loader(cfg, tokenizer)  # fails here when the split is missing or empty
     max_seq_len = build_model_args(cfg, tokenizer.n_words).max_seq_len
-    for prompt in prompts:
+    for prompt in cfg.evaluate.prompts:
         num = len(tokenizer.encode(prompt, bos=True, eos=False))
         if num > max_seq_len:
             raise ConfigError(
-                f"--prompts: {prompt[:40]!r} is {num} tokens, more than the model's "
+                f"evaluate.prompts: {prompt[:40]!r} is {num} tokens, more than the model's "
                 f"max_seq_len {max_seq_len}"
             )
-    hf_folder = ""
     if lm_eval is not None:
-        hf_folder = lm_eval.hf_folder or storage.join(ckpt.run_root, "hf")
-        check_inputs(hf_folder, lm_eval.task_dir, lm_eval.tasks)
-    return _Inputs(ckpt, cfg, tokenizer, loader, hf_folder)
+        lm_eval = replace(lm_eval, hf_folder=lm_eval.hf_folder or storage.join(ckpt.run_root, "hf"))
+        check_inputs(lm_eval.hf_folder, lm_eval.task_dir, lm_eval.tasks)
+    return _Inputs(ckpt, cfg, tokenizer, loader, lm_eval)
 
 
 def _score_and_sample(
-    inputs: _Inputs,
-    device: torch.device,
-    world_size: int,
-    *,
-    prompts: Sequence[str],
-    max_new_tokens: int,
-    max_batches: int,
+    inputs: _Inputs, device: torch.device, world_size: int
 ) -> tuple[Any, EvalMetrics, list[Sample], dict[str, float]]:
     """Build and load the model, score the validation split and generate: (model args,
     metrics, samples, timing). Collective under torchrun."""
@@ -255,7 +253,12 @@ def _score_and_sample(
     dtype = forward_dtype(cfg, world_size)
     table = token_byte_lengths(tokenizer)
     metrics = compute_metrics(
-        model, inputs.loader, table, device=device, autocast_dtype=dtype, max_batches=max_batches
+        model,
+        inputs.loader,
+        table,
+        device=device,
+        autocast_dtype=dtype,
+        max_batches=cfg.evaluate.batches,
     )
     if metrics.num_tokens == 0:  # every rank sees the same sums, so all raise together
         data = validation_data(cfg)
@@ -268,8 +271,8 @@ def _score_and_sample(
     samples = generate_samples(
         model,
         tokenizer,
-        prompts,
-        max_new_tokens=max_new_tokens,
+        cfg.evaluate.prompts,
+        max_new_tokens=cfg.evaluate.max_new_tokens,
         max_seq_len=args.max_seq_len,
         device=device,
         autocast_dtype=dtype,
@@ -282,39 +285,35 @@ def evaluate_checkpoint(
     checkpoint: str,
     *,
     config_argv: Sequence[str] = (),
+    values: Mapping[str, Any] | None = None,
     output: str | None = None,
-    prompts: Sequence[str] = DEFAULT_PROMPTS,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    max_batches: int = 0,
-    lm_eval: LmEvalOptions | None = None,
+    hf_folder: str = "",
 ) -> dict[str, Any]:
-    """Evaluate ``checkpoint`` and write ``<output>/eval/report.{json,md}`` (default output: the
-    run root); returns the report. Every input is checked before the model is built."""
+    """Evaluate ``checkpoint`` as its job config's ``[evaluate]`` says and write
+    ``<output>/eval/report.{json,md}`` (default output: the run root); returns the report.
+
+    The config is resolved from ``config_argv`` (see ``resolve_config``), then the dotted-key
+    ``values`` are set (e.g. ``{"evaluate.batches": 2}``); lm-eval runs on ``hf_folder``
+    (default ``<run>/hf``). Every input is checked before the model is built."""
     start = time.perf_counter()
-    inputs = _check_inputs(checkpoint, config_argv, prompts, max_new_tokens, max_batches, lm_eval)
+    inputs = _check_inputs(checkpoint, config_argv, values or {}, hf_folder)
     cfg = inputs.cfg
     if cfg.debug.num_threads:
         torch.set_num_threads(cfg.debug.num_threads)
     owns_group = not dist.is_initialized()
     info = init_distributed(cfg.comm.init_timeout_seconds, 0, "")
     try:
-        args, metrics, samples, timing = _score_and_sample(
-            inputs,
-            info.device,
-            info.world_size,
-            prompts=prompts,
-            max_new_tokens=max_new_tokens,
-            max_batches=max_batches,
-        )
+        args, metrics, samples, timing = _score_and_sample(inputs, info.device, info.world_size)
     finally:
         if owns_group:
             destroy_process_group()
     # Only rank 0 goes on: the harness runs in one process, whatever world evaluated above.
     lm_results = None
+    lm_eval = inputs.lm_eval
     if lm_eval is not None and info.is_rank0:
         lm_start = time.perf_counter()
         lm_results = run_lm_eval(
-            inputs.hf_folder,
+            lm_eval.hf_folder,
             lm_eval.task_dir,
             lm_eval.tasks,
             lm_eval.limit,
@@ -325,8 +324,8 @@ def evaluate_checkpoint(
     timing["total_s"] = time.perf_counter() - start
     settings = {
         **validation_data(cfg),
-        "max_batches": max_batches,
-        "max_new_tokens": max_new_tokens,
+        "max_batches": cfg.evaluate.batches,
+        "max_new_tokens": cfg.evaluate.max_new_tokens,
         "world_size": info.world_size,
         "device": info.device.type,
         "tokenizer": inputs.tokenizer.path,

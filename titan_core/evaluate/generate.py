@@ -15,15 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_core.config.job import Evaluate
 from titan_core.data.tokenizer import Tokenizer
 from titan_core.errors import ConfigError
 
-DEFAULT_PROMPTS: tuple[str, ...] = (
-    "The Python language",
-    "To be, or not to be,",
-    "A list comprehension",
-)
-DEFAULT_MAX_NEW_TOKENS = 32
+# The defaults of the evaluate.prompts and evaluate.max_new_tokens config keys.
+DEFAULT_PROMPTS: tuple[str, ...] = tuple(Evaluate().prompts)
+DEFAULT_MAX_NEW_TOKENS = Evaluate().max_new_tokens
 
 StopReason = Literal["eos", "max_new_tokens", "max_seq_len"]
 

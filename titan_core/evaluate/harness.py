@@ -52,13 +52,15 @@ def is_available() -> bool:
 def check_inputs(hf_folder: str, task_dir: str, tasks: list[str]) -> None:
     """One-line errors for what would make the harness fail, before any model is loaded."""
     if not is_available():
-        raise ConfigError(f"--lm-eval-tasks: lm-eval is not installed ({_INSTALL_HINT})")
+        raise ConfigError(f"evaluate.lm_eval_tasks: lm-eval is not installed ({_INSTALL_HINT})")
     if not tasks:
-        raise ConfigError("--lm-eval-tasks: expected at least one task name")
+        raise ConfigError("evaluate.lm_eval_tasks: expected at least one task name")
     if storage.is_url(task_dir) or not Path(task_dir).is_dir():
-        raise ConfigError(f"--lm-eval-task-dir: expected a local folder of task YAMLs: {task_dir}")
+        raise ConfigError(
+            f"evaluate.lm_eval_task_dir: expected a local folder of task YAMLs: {task_dir}"
+        )
     if not any(Path(task_dir).rglob("*.yaml")):
-        raise ConfigError(f"--lm-eval-task-dir: no .yaml task files in {task_dir}")
+        raise ConfigError(f"evaluate.lm_eval_task_dir: no .yaml task files in {task_dir}")
     if not storage.exists(storage.join(hf_folder, "config.json")):
         raise DataError(
             f"--hf-folder: no Hugging Face export (config.json) in {hf_folder}; "

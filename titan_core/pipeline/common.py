@@ -18,7 +18,8 @@ SECRET_ENV_VARS = (
     "MLFLOW_TRACKING_PASSWORD",
     "MLFLOW_TRACKING_TOKEN",
 )
-_SECRET_KEY_RE = re.compile(r"secret|token|password|passwd|credential|api_key", re.IGNORECASE)
+# token(?!s): a count of tokens (evaluate.max_new_tokens) is no secret; a token is.
+_SECRET_KEY_RE = re.compile(r"secret|token(?!s)|password|passwd|credential|api_key", re.IGNORECASE)
 _URL_USERINFO_RE = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
 MASK = "***"
 _registered: set[str] = set()

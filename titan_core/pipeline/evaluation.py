@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from titan_core import storage
 from titan_core.pipeline.common import redact
@@ -51,19 +53,20 @@ def evaluate_stage(
     checkpoint_url: str,
     config_url: str = "",
     output: str = "",
-    max_batches: int = 0,
     tracking: TrackingContext | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> Evaluation:
-    """Evaluate ``checkpoint_url`` and write ``<output>/eval/report.{json,md}`` (default output:
-    the checkpoint's run root); with ``tracking``, as an ``evaluate`` stage run with the
-    ``eval/*`` metrics and the report files."""
+    """Evaluate ``checkpoint_url`` as the job config's ``[evaluate]`` section says (the run's
+    ``config.toml`` unless ``config_url``; ``overrides``, dotted keys, apply on top) and write
+    ``<output>/eval/report.{json,md}`` (default output: the checkpoint's run root); with
+    ``tracking``, as an ``evaluate`` stage run with the ``eval/*`` metrics and the report."""
     from titan_core.evaluate import evaluate_checkpoint
     from titan_core.evaluate.report import EVAL_DIR
 
     config_argv = ["--job.config_file", config_url] if config_url else []
     with stage_run(tracking, "evaluate") as run_id:
         report = evaluate_checkpoint(
-            checkpoint_url, config_argv=config_argv, output=output or None, max_batches=max_batches
+            checkpoint_url, config_argv=config_argv, values=overrides, output=output or None
         )
         metrics = {k: report["metrics"][k] for k in EVAL_METRICS}
         log_metrics(tracking, run_id, {f"eval/{k}": v for k, v in metrics.items()})

@@ -3,7 +3,9 @@ Face folder in the run root (``<run>/hf``), kept when a complete one is already 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from titan_core import storage
 from titan_core.pipeline.common import load_config
@@ -35,16 +37,19 @@ def export_checkpoint(
     checkpoint_url: str,
     config_url: str,
     output: str = "",
-    dtype: str = "bfloat16",
     tracking: TrackingContext | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> HfExport:
     """Export ``checkpoint_url`` (safetensors, config, tokenizer) to ``output`` (default
-    ``<run>/hf``) as a ``convert`` stage run; an existing complete export is kept."""
+    ``<run>/hf``) as the config's ``[convert]`` section says, as a ``convert`` stage run; an
+    existing complete export is kept. ``overrides`` (dotted keys) apply onto the config."""
     from titan_core.build import build_model_args
+    from titan_core.config.job import parse_size
+    from titan_core.config.resolve import apply_values
     from titan_core.convert.dcp_to_hf import dcp_to_hf
     from titan_core.data import Tokenizer, default_tokenizer_path
 
-    cfg = load_config(config_url)
+    cfg = apply_values(load_config(config_url), overrides or {})
     output = output or storage.join(cfg.job.dump_folder, HF_DIR)
     if is_exported(output):
         return HfExport(output, 0, kept=True)
@@ -57,7 +62,8 @@ def export_checkpoint(
             output,
             model_args=model_args,
             tokenizer_path=tokenizer_path,
-            dtype=dtype,
+            dtype=cfg.convert.dtype,
+            max_shard_size=parse_size(cfg.convert.max_shard_size),
             progress=cfg.storage.progress,
             model_name=cfg.model.name,
         )
