@@ -1,6 +1,6 @@
 """``titan compare``: run the ``compare`` flow and print its table.
 
-    titan compare --experiment NAME [--runs ID_OR_NAME ...] [--tracking-uri URI] [--max-runs N]
+    titan compare --experiment NAME [--runs ID_OR_NAME ...] [--tracking.uri URI] [--max-runs N]
                   [--log | --parent-run-id RUN_ID] [--json]
 
 It prints the table; ``--log`` also records the comparison (loss-curve PNG, markdown with the
@@ -13,7 +13,6 @@ project-local ``PREFECT_HOME`` unless one is set, analytics off.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -35,16 +34,22 @@ def _preflight(experiment: str, tracking_uri: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``titan compare``: run the compare flow and print its table."""
-    parser = argparse.ArgumentParser(
-        prog="titan compare", description="Compare MLflow runs of one experiment."
+    from flows.cli import OneLineParser, add_renamed_flags
+
+    parser = OneLineParser(
+        prog="titan compare",
+        description="Compare MLflow runs of one experiment.",
+        allow_abbrev=False,
     )
     parser.add_argument("--experiment", required=True, help="MLflow experiment (job.experiment)")
     parser.add_argument("--runs", nargs="+", default=[], help="run ids or names (default: newest)")
     parser.add_argument(
-        "--tracking-uri",
+        "--tracking.uri",
+        dest="tracking_uri",
         default="",
         help="MLflow URI (default: $MLFLOW_TRACKING_URI, else ./outputs)",
     )
+    add_renamed_flags(parser)  # --tracking-uri: one line naming --tracking.uri
     parser.add_argument("--max-runs", type=int, default=10, help="newest runs when --runs absent")
     parser.add_argument(
         "--log", action="store_true", help="record the comparison as an MLflow run (compare-*)"
@@ -53,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         "--parent-run-id", default="", help="record it nested under this MLflow run (implies --log)"
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    ns = parser.parse_args(argv)
+    try:
+        ns = parser.parse_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from flows.cli import prepare_prefect_env
 
     prepare_prefect_env()

@@ -30,7 +30,7 @@ LEGACY_PARAMETERS = {
     "tracking_uri": "config.tracking.uri",
     "eval_batches": "config.evaluate.batches",
 }
-CONFIG_FLOWS = (":pretrain_pipeline", ":retrain")
+CONFIG_FLOWS = (":pretrain_pipeline", ":retrain", ":sweep")
 
 
 def _api_url() -> str:

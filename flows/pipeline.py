@@ -30,6 +30,7 @@ from titan_core.config.form import ConfigForm, flow_values
 from titan_core.config.job import JobConfig
 from titan_core.config.manager import to_toml
 from titan_core.config.resolve import resolve_job
+from titan_core.pipeline.common import public_url
 from titan_core.pipeline.data import (
     PreparedData,
     is_stored,
@@ -74,7 +75,8 @@ def train_and_publish(
     published = publish(
         paths.run_root, checkpoint, hf_url, evaluation, tracking, cfg.tracking.registered_model
     )
-    return dataclasses.asdict(published) | {"tracking_uri": tracking.uri if tracking else ""}
+    uri = public_url(tracking.uri) if tracking else ""  # shown to people: no credentials
+    return dataclasses.asdict(published) | {"tracking_uri": uri}
 
 
 def prepare_stage(cfg: JobConfig, paths: RunPaths, tokenizer_url: str) -> PreparedData | None:

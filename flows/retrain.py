@@ -62,6 +62,27 @@ def continued_config(
     )
 
 
+# Auto values the previous run's saved config holds as it resolved them, and what each follows:
+# a new run re-resolves one when what it follows may change (and it is not given itself).
+REFOLLOWED = {
+    "parallelism.data_parallel_shard_degree": None,  # the world size: launch.* may change
+    "model.max_seq_len": "training.seq_len",
+    "validation.local_batch_size": "training.local_batch_size",
+}
+
+
+def reresolve_autos(cfg: JobConfig, values: dict[str, Any]) -> JobConfig:
+    """``cfg`` (a saved config plus ``values``) with the auto values of ``REFOLLOWED`` set back
+    to -1 where the new run may change what they follow, unless ``values`` sets them."""
+    reset: dict[str, dict[str, Any]] = {}
+    for key, follows in REFOLLOWED.items():
+        if key not in values and (follows is None or follows in values):
+            section, name = key.split(".")
+            reset.setdefault(section, {})[name] = -1
+    sections = {s: dataclasses.replace(getattr(cfg, s), **kw) for s, kw in reset.items()}
+    return dataclasses.replace(cfg, **sections)
+
+
 # Parameters are checked by flow_values/resolve_job (one-line errors), as in pretrain_pipeline.
 @flow(name="retrain", flow_run_name=run_id_name, validate_parameters=False)
 def retrain(
@@ -105,12 +126,7 @@ def retrain(
         config_file or latest.config_url,
         {**values, "storage.root": root, "job.experiment": line},
     )
-    if "parallelism.data_parallel_shard_degree" not in values:
-        # The saved config holds the FSDP degree its world size resolved: the new run may run on
-        # more or fewer ranks (launch.* in the overrides), so the degree is resolved again.
-        cfg = dataclasses.replace(
-            cfg, parallelism=dataclasses.replace(cfg.parallelism, data_parallel_shard_degree=-1)
-        )
+    cfg = reresolve_autos(cfg, values)
     paths = RunPaths(absolute(cfg.storage.root), line, current_run_id())
     name_flow_run(f"{line}/{paths.run_id}", [*run_tags(cfg), "retrain"])
 

@@ -68,12 +68,13 @@ def deployment_name(deployment: str) -> str:
     """``flow/deployment`` for ``run_deployment``; a bare name is a ``pretrain_pipeline`` one.
     One-line ``ConfigError`` when the Prefect server has no such deployment."""
     from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
 
     full = deployment if "/" in deployment else f"{PIPELINE_FLOW}/{deployment}"
     with get_client(sync_client=True) as client:
         try:
             client.read_deployment_by_name(full)
-        except Exception:  # ObjectNotFound, or a server that does not answer
+        except ObjectNotFound:
             raise ConfigError(
                 f"sweep.deployment: no deployment {full!r} on the Prefect server"
             ) from None

@@ -140,11 +140,17 @@ def test_compare_bad_input_is_one_line(
         compare_experiment(EXPERIMENT, ["train"], tracking_uri=uri)
     # A tracking server that does not answer: a one-line error before Prefect starts.
     code = titan_main(
-        ["compare", "--experiment", EXPERIMENT, "--tracking-uri", "http://127.0.0.1:9"]
+        ["compare", "--experiment", EXPERIMENT, "--tracking.uri", "http://127.0.0.1:9"]
     )
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: tracking.uri: no MLflow server answers at")
     assert len(err.splitlines()) == 1
-    code = titan_main(["compare", "--experiment", "missing", "--tracking-uri", uri])
+    code = titan_main(["compare", "--experiment", "missing", "--tracking.uri", uri])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: compare.experiment: no MLflow experiment")
+    # One spelling per setting, as in titan pipeline: the old flag names the config key.
+    code = titan_main(["compare", "--experiment", EXPERIMENT, "--tracking-uri", uri])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        "error: --tracking-uri: now the config key --tracking.uri; use --tracking.uri VALUE"
+    )

@@ -208,7 +208,7 @@ def test_compare_deployment_with_tracking_server(stack: Stack, s3_server: Any) -
 
 def test_titan_compare_cli_uses_the_server(stack: Stack) -> None:
     cmd = [str(BIN / "titan"), "compare", "--experiment", EXPERIMENT, "--json"]
-    cmd += ["--tracking-uri", stack.mlflow.uri, "--runs", "lr-low", "lr-high"]
+    cmd += ["--tracking.uri", stack.mlflow.uri, "--runs", "lr-low", "lr-high"]
     proc = subprocess.run(
         cmd, env=stack.prefect.env, capture_output=True, text=True, timeout=300, cwd=stack.work
     )

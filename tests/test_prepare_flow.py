@@ -246,3 +246,28 @@ def test_retrain_drops_the_data_position_only_when_the_dataset_grew(tmp_path: Pa
     assert "dataloader" not in same.checkpoint.exclude_from_loading and same.training.steps == 8
     more = continued_config(cfg, latest, cfg, 2, new_data=True)
     assert "dataloader" in more.checkpoint.exclude_from_loading
+
+
+def test_retrain_re_resolves_the_autos_a_saved_config_froze() -> None:
+    """A saved config.toml holds its run's resolved autos: a retrain resolves the FSDP degree
+    again (the world may change), and the RoPE length / validation batch when the new run
+    changes the sequence length / batch they follow; a value given for the new run stays."""
+    import dataclasses
+
+    from flows.retrain import reresolve_autos
+    from titan_core.config.job import JobConfig
+
+    cfg = JobConfig()
+    saved = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, max_seq_len=256),
+        parallelism=dataclasses.replace(cfg.parallelism, data_parallel_shard_degree=2),
+        validation=dataclasses.replace(cfg.validation, local_batch_size=8),
+    )
+    same = reresolve_autos(saved, {"launch.nproc_per_node": 4})
+    assert same.parallelism.data_parallel_shard_degree == -1
+    assert same.model.max_seq_len == 256 and same.validation.local_batch_size == 8
+    longer = reresolve_autos(saved, {"training.seq_len": 512, "training.local_batch_size": 4})
+    assert longer.model.max_seq_len == -1 and longer.validation.local_batch_size == -1
+    given = reresolve_autos(saved, {"parallelism.data_parallel_shard_degree": 2})
+    assert given.parallelism.data_parallel_shard_degree == 2

@@ -358,6 +358,7 @@ def _table_values(
     (``[launch.slurm]``) included, type-checked."""
     schema, sections = _schema(cls), _sections(cls)
     values: dict[str, Any] = {}
+    moved: dict[str, Any] = {}
     for name, value in table.items():
         key, where = f"{section}.{name.replace('-', '_')}", f"{shown}.{name}"
         if key in sections:
@@ -368,15 +369,32 @@ def _table_values(
         if isinstance(value, dict) and key not in schema:
             nested = [s for s in sections if s.startswith(section + ".")]
             raise _unknown_section(path, where, key, nested)
+        if key not in schema and _moved(key, schema):
+            # A file saved before the key moved (every saved config.toml lists every key): read
+            # it as the new key, so old runs still load, retrain and export.
+            key = _moved(key, schema) or key
+            moved[key] = value
+            continue
         if key not in schema:
             hint = _did_you_mean(key, schema, "")
             raise ConfigError(f"{path}: unknown key {where}{hint}")
-        try:
-            values[key] = _from_value(schema[key], value)
-        except ValueError:
-            expected = schema[key].describe()
-            raise ConfigError(f"{path}: {key}: expected {expected}, got {value!r}") from None
+        values[key] = _toml_value(path, key, schema[key], value)
+    for key, value in moved.items():
+        if key not in values:  # the new spelling wins when a file has both
+            values[key] = _toml_value(path, key, schema[key], value)
+    if moved:
+        from titan_core.logging import logger
+
+        logger.warning("%s: old keys read as their new names: %s", path, ", ".join(moved))
     return values
+
+
+def _toml_value(path: str, key: str, spec: _Spec, value: Any) -> Any:
+    """A TOML value checked against the field's spec; one-line ConfigError otherwise."""
+    try:
+        return _from_value(spec, value)
+    except ValueError:
+        raise ConfigError(f"{path}: {key}: expected {spec.describe()}, got {value!r}") from None
 
 
 def _recipes(family: str) -> tuple[str, dict[str, Any]]:

@@ -44,11 +44,19 @@ def redact(text: str) -> str:
     return _URL_USERINFO_RE.sub(lambda m: f"{m.group('scheme')}{MASK}@", text)
 
 
+def public_url(url: str) -> str:
+    """``url`` without its user info (``https://user:pass@host`` -> ``https://host``): for links
+    people open (the browser asks for credentials itself) and for what is shown or stored."""
+    return _URL_USERINFO_RE.sub(lambda m: m.group("scheme"), url)
+
+
 def mask_params(params: dict[str, Any]) -> dict[str, Any]:
     """Config params safe to record: secret-looking keys masked, values redacted."""
     out: dict[str, Any] = {}
     for key, value in params.items():
-        if _SECRET_KEY_RE.search(key.rsplit(".", 1)[-1]) and value not in ("", None):
+        name = key.rsplit(".", 1)[-1]
+        # *_block names a Prefect block (storage.credentials_block): a name, not a secret.
+        if _SECRET_KEY_RE.search(name) and not name.endswith("_block") and value not in ("", None):
             out[key] = MASK
         else:
             out[key] = redact(value) if isinstance(value, str) else value

@@ -25,6 +25,7 @@ from typing import Any
 
 from titan_core.config.job import JobConfig
 from titan_core.errors import ConfigError
+from titan_core.pipeline.common import public_url
 from titan_core.pipeline.report import markdown_image, mlflow_image
 from titan_core.pipeline.tracking import STAGE_TAG, check_tracking, resolve_tracking_uri
 
@@ -251,7 +252,7 @@ def artifact_url(tracking_uri: str, run: Any, name: str) -> str:
     """A URL for a run's artifact: the server's download route over HTTP, else its URI."""
     if tracking_uri.startswith(("http://", "https://")):
         query = urllib.parse.urlencode({"path": name, "run_uuid": run.info.run_id})
-        return f"{tracking_uri.rstrip('/')}/get-artifact?{query}"
+        return f"{public_url(tracking_uri).rstrip('/')}/get-artifact?{query}"
     return f"{run.info.artifact_uri.rstrip('/')}/{name}"
 
 
@@ -318,7 +319,7 @@ def compare_experiment(
         png = plot_loss_curves(runs, os.path.join(tmp, PLOT_NAME), f"{experiment}: training loss")
         result = Comparison(
             experiment=experiment,
-            tracking_uri=uri,
+            tracking_uri=public_url(uri),  # shown and stored: no credentials
             runs=[r.row() for r in runs],
             differing_params=diff,
             compare_run_id="",

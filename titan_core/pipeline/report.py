@@ -27,5 +27,7 @@ def mlflow_image(alt: str, run_id: str, artifact_path: str, tracking_uri: str) -
     a folder) there is no address to link, and the line names the artifact instead."""
     if not tracking_uri.startswith(("http://", "https://")):
         return f"*{alt}: `{artifact_path}`, an artifact of this run.*"
+    from titan_core.pipeline.common import public_url
+
     query = urllib.parse.urlencode({"path": artifact_path, "run_uuid": run_id})
-    return f"![{alt}]({tracking_uri.rstrip('/')}/get-artifact?{query})"
+    return f"![{alt}]({public_url(tracking_uri).rstrip('/')}/get-artifact?{query})"

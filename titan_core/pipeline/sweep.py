@@ -61,7 +61,7 @@ def check_keys(keys: Sequence[str], where: str) -> None:
     from titan_core.config.manager import _did_you_mean, _schema
 
     schema = _schema(JobConfig)
-    for key in keys:
+    for key in (k.replace("-", "_") for k in keys):
         if key not in schema:
             hint = _did_you_mean(key, schema, "")
             raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
@@ -298,7 +298,9 @@ def plan_sweep(
         trials=tuple(expanded),
         keys=keys,
         experiment=cfg.job.experiment,
-        model_name=cfg.tracking.registered_model or f"{cfg.job.experiment}-sweep",
+        # Trials register into a model of their own: never the production model's versions and
+        # champion alias (each trial's publish stage runs the champion rule in its model).
+        model_name=f"{cfg.tracking.registered_model or cfg.job.experiment}-sweep",
         metric=metric,
         concurrency=concurrency,
     )

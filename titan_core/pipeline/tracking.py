@@ -22,7 +22,7 @@ from typing import Any
 from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.errors import TitanError
-from titan_core.pipeline.common import mask_params, redact
+from titan_core.pipeline.common import mask_params, public_url, redact
 from titan_core.pipeline.params import config_params
 from titan_core.pipeline.storage import RunPaths, absolute
 
@@ -67,11 +67,11 @@ def check_tracking(uri: str) -> None:
         except requests.RequestException as e:
             reason = type(e).__name__
             raise TrackingError(
-                f"tracking.uri: no MLflow server answers at {uri} ({reason})"
+                f"tracking.uri: no MLflow server answers at {public_url(uri)} ({reason})"
             ) from None
         if response.status_code != 200:
             raise TrackingError(
-                f"tracking.uri: {uri} answered HTTP {response.status_code} to /health; "
+                f"tracking.uri: {public_url(uri)} answered HTTP {response.status_code} to /health; "
                 "is it an MLflow tracking server?"
             )
     elif uri.startswith("sqlite:///"):
@@ -206,7 +206,7 @@ def start_pipeline_run(
     except TitanError:
         raise
     except Exception as e:
-        raise TrackingError(f"tracking.uri: {uri}: {redact(_first_line(e))}") from None
+        raise TrackingError(f"tracking.uri: {public_url(uri)}: {redact(_first_line(e))}") from None
     return TrackingContext(uri, cfg.job.experiment, experiment_id, run.info.run_id)
 
 
