@@ -449,19 +449,28 @@ def test_titan_train_run_train_sh_and_the_train_task_render_one_command(tmp_path
 
 
 def test_titan_launch_runs_the_pipeline_preflight(
-    capsys: pytest.CaptureFixture[str], assets: Path, tmp_path: Path
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    assets: Path,
+    tmp_path: Path,
 ) -> None:
     """``titan launch`` goes through the pipeline's preflight (a fake-backend dry run and the
     memory budget) before it starts anything: too small a device is one line, nothing runs."""
     from flows.main import main
+    from titan_core.logging import init_logger, logger
 
     dump = tmp_path / "out"
     argv = ["launch", "--module", "llama3", "--config", "llama3_debugmodel_tiny"]
     argv += ["--job.dump_folder", str(dump), "--launch.device_memory_gib", "0.0001"]
-    assert main(argv) == 2
-    out, err = capsys.readouterr()
+    init_logger()  # the titan logger does not propagate: listen on it directly
+    logger.addHandler(caplog.handler)
+    try:
+        assert main(argv) == 2
+    finally:
+        logger.removeHandler(caplog.handler)
+    err = capsys.readouterr().err
     assert err.startswith("error: launch.device_memory_gib: the estimated peak of ") and (
         err.count("\n") == 1 and " MiB per rank does not fit in 0.1 MiB" in err
     ), err
-    assert "Fake-backend dry run at world size 1" in out
+    assert any("Fake-backend dry run at world size 1" in r.getMessage() for r in caplog.records)
     assert not dump.exists() or not any(dump.rglob("*.distcp"))  # nothing trained or saved
