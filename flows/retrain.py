@@ -13,7 +13,6 @@ new run starts a fresh pass over all of it instead of the old pass's data positi
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from prefect import flow
@@ -24,63 +23,12 @@ from flows.pipeline import prepare_stage, run_tracked, train_and_publish
 from tasks.preflight import preflight
 from tasks.runs import find_latest_checkpoint, prepare_storage
 from titan_core.config.form import ConfigForm, flow_values
-from titan_core.config.job import JobConfig
 from titan_core.config.manager import to_toml
 from titan_core.config.resolve import resolve_job
 from titan_core.pipeline.data import dataset_grew, train_on
-from titan_core.pipeline.model_line import CheckpointInfo
+from titan_core.pipeline.model_line import continued_config, reresolve_autos
 from titan_core.pipeline.storage import RunPaths, absolute, configure_credentials
 from titan_core.pipeline.tracking import TrackingContext
-
-
-def continued_config(
-    cfg: JobConfig,
-    latest: CheckpointInfo,
-    previous: JobConfig,
-    steps: int,
-    *,
-    new_data: bool = False,
-) -> JobConfig:
-    """``cfg`` loading ``latest`` and training ``steps`` steps past it (``new_data``: the same
-    prepared dataset grew since, so training continues on all of it)."""
-    model_only = latest.model_only
-    excluded = list(cfg.checkpoint.exclude_from_loading)
-    changed = new_data or cfg.training.dataset != previous.training.dataset
-    if changed and "dataloader" not in excluded:
-        excluded.append("dataloader")  # new data: its position in the old data means nothing
-    return dataclasses.replace(
-        cfg,
-        training=dataclasses.replace(
-            cfg.training, steps=(0 if model_only else latest.step) + steps
-        ),
-        checkpoint=dataclasses.replace(
-            cfg.checkpoint,
-            initial_load_path=latest.step_dir,
-            initial_load_model_only=model_only,
-            exclude_from_loading=excluded,
-        ),
-    )
-
-
-# Auto values the previous run's saved config holds as it resolved them, and what each follows:
-# a new run re-resolves one when what it follows may change (and it is not given itself).
-REFOLLOWED = {
-    "parallelism.data_parallel_shard_degree": None,  # the world size: launch.* may change
-    "model.max_seq_len": "training.seq_len",
-    "validation.local_batch_size": "training.local_batch_size",
-}
-
-
-def reresolve_autos(cfg: JobConfig, values: dict[str, Any]) -> JobConfig:
-    """``cfg`` (a saved config plus ``values``) with the auto values of ``REFOLLOWED`` set back
-    to -1 where the new run may change what they follow, unless ``values`` sets them."""
-    reset: dict[str, dict[str, Any]] = {}
-    for key, follows in REFOLLOWED.items():
-        if key not in values and (follows is None or follows in values):
-            section, name = key.split(".")
-            reset.setdefault(section, {})[name] = -1
-    sections = {s: dataclasses.replace(getattr(cfg, s), **kw) for s, kw in reset.items()}
-    return dataclasses.replace(cfg, **sections)
 
 
 # Parameters are checked by flow_values/resolve_job (one-line errors), as in pretrain_pipeline.

@@ -213,10 +213,9 @@ def test_bad_input_fails_the_stage_once_with_one_line(
 def test_retrain_drops_the_data_position_only_when_the_dataset_grew(tmp_path: Path) -> None:
     import dataclasses
 
-    from flows.retrain import continued_config
     from titan_core.config.resolve import resolve_job
     from titan_core.pipeline.data import dataset_grew, record_dataset
-    from titan_core.pipeline.model_line import CheckpointInfo
+    from titan_core.pipeline.model_line import CheckpointInfo, continued_config
 
     prepared = PreparedData(
         url=str(tmp_path / "data" / "0123456789abcdef"),
@@ -254,8 +253,8 @@ def test_retrain_re_resolves_the_autos_a_saved_config_froze() -> None:
     changes the sequence length / batch they follow; a value given for the new run stays."""
     import dataclasses
 
-    from flows.retrain import reresolve_autos
     from titan_core.config.job import JobConfig
+    from titan_core.pipeline.model_line import reresolve_autos
 
     cfg = JobConfig()
     saved = dataclasses.replace(

@@ -1,12 +1,16 @@
-"""A model line: every run of one experiment under ``<storage.root>/<experiment>/``, and the
-newest complete checkpoint among them (what ``retrain`` and ``make demo`` continue from)."""
+"""A model line: every run of one experiment under ``<storage.root>/<experiment>/``, the newest
+complete checkpoint among them (what ``retrain`` and ``make demo`` continue from), and the policy
+of continuing it: the config of the next run (``continued_config``, ``reresolve_autos``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from titan_core import storage
 from titan_core.checkpoint.manager import complete_steps, read_marker
+from titan_core.config.job import JobConfig
 from titan_core.pipeline.storage import refresh
 
 
@@ -57,3 +61,53 @@ def latest_checkpoint(root: str, experiment: str) -> CheckpointInfo | None:
         c for run in storage.list_dirs(line) for c in complete_checkpoints(storage.join(line, run))
     ]
     return max(candidates, key=lambda c: (c.time, c.step)) if candidates else None
+
+
+def continued_config(
+    cfg: JobConfig,
+    latest: CheckpointInfo,
+    previous: JobConfig,
+    steps: int,
+    *,
+    new_data: bool = False,
+) -> JobConfig:
+    """``cfg`` loading ``latest`` and training ``steps`` steps past it (``new_data``: the same
+    prepared dataset grew since, so training continues on all of it)."""
+    model_only = latest.model_only
+    excluded = list(cfg.checkpoint.exclude_from_loading)
+    changed = new_data or cfg.training.dataset != previous.training.dataset
+    if changed and "dataloader" not in excluded:
+        excluded.append("dataloader")  # new data: its position in the old data means nothing
+    return dataclasses.replace(
+        cfg,
+        training=dataclasses.replace(
+            cfg.training, steps=(0 if model_only else latest.step) + steps
+        ),
+        checkpoint=dataclasses.replace(
+            cfg.checkpoint,
+            initial_load_path=latest.step_dir,
+            initial_load_model_only=model_only,
+            exclude_from_loading=excluded,
+        ),
+    )
+
+
+# Auto values the previous run's saved config holds as it resolved them, and what each follows:
+# a new run re-resolves one when what it follows may change (and it is not given itself).
+REFOLLOWED = {
+    "parallelism.data_parallel_shard_degree": None,  # the world size: launch.* may change
+    "model.max_seq_len": "training.seq_len",
+    "validation.local_batch_size": "training.local_batch_size",
+}
+
+
+def reresolve_autos(cfg: JobConfig, values: dict[str, Any]) -> JobConfig:
+    """``cfg`` (a saved config plus ``values``) with the auto values of ``REFOLLOWED`` set back
+    to -1 where the new run may change what they follow, unless ``values`` sets them."""
+    reset: dict[str, dict[str, Any]] = {}
+    for key, follows in REFOLLOWED.items():
+        if key not in values and (follows is None or follows in values):
+            section, name = key.split(".")
+            reset.setdefault(section, {})[name] = -1
+    sections = {s: dataclasses.replace(getattr(cfg, s), **kw) for s, kw in reset.items()}
+    return dataclasses.replace(cfg, **sections)
