@@ -70,7 +70,7 @@ def main() -> int:
     argv = [*DEMO_OVERRIDES, *steps, "--storage.no_progress", *overrides]
     state = pretrain_pipeline(
         recipe=DEMO_RECIPE,
-        overrides=cli_values(argv) | {"storage.root": storage},
+        overrides=cli_values(argv) | {"job.dump_folder": storage},
         return_state=True,
     )
     wall = time.perf_counter() - start

@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 from titan_core.config.job import JobConfig
-from titan_core.pipeline.storage import RunPaths, absolute
+from titan_core.pipeline.storage import RunPaths
 
 
 def run_config(cfg: JobConfig, paths: RunPaths, tokenizer_url: str) -> JobConfig:
-    """``cfg`` as the run trains it: its run root, stored tokenizer, checkpoints on, run layout."""
+    """``cfg`` as the run trains it: ``job.dump_folder`` the run root (what its ranks write,
+    config.toml saves and MLflow shows; ``titan train --job.config_file <run>/config.toml``
+    resumes the run in place), its stored tokenizer, checkpoints on, the run layout. What runs
+    share (data, MLflow store, caches) is derived from ``paths.root``, never from this config."""
     return dataclasses.replace(
         cfg,
         job=dataclasses.replace(cfg.job, dump_folder=paths.run_root, config_file=""),
@@ -23,5 +26,4 @@ def run_config(cfg: JobConfig, paths: RunPaths, tokenizer_url: str) -> JobConfig
             save_traces_folder="profile",
             save_memory_snapshot_folder="memory_snapshot",
         ),
-        storage=dataclasses.replace(cfg.storage, root=absolute(cfg.storage.root)),
     )

@@ -11,21 +11,20 @@ Everything lands under ``./outputs`` (runs in ``./outputs/demo/``, MLflow in
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
+from typing import Annotated
 
-from flows.cli import (
-    OneLineParser,
-    add_renamed_flags,
-    prepare_prefect_env,
-    report_errors,
-    where_to_look,
-)
+from flows.cli import RENAMED_FLAGS, prepare_prefect_env, where_to_look
+from titan_core.config.command import OVERRIDES_NOTE, Command, ConfigArgs, default, run
+from titan_core.errors import ConfigError
 
 DEMO_RECIPE, DEMO_EXPERIMENT = "llama3_debugmodel", "demo"
 # Two ranks (FSDP over gloo on CPU), one thread each, 100 steps (about 2 minutes of training on
 # 2 cores); a short held-out eval (10 batches).
 DEMO_OVERRIDES = [
+    "--job.dump_folder",  # the demo's output root (not the recipe's ./outputs/llama3_debugmodel)
+    "./outputs",
     "--job.experiment",
     DEMO_EXPERIMENT,
     "--launch.nproc_per_node",
@@ -48,20 +47,32 @@ def demo_data_overrides() -> list[str]:
     return ["--data.sources", train, "--data.validation_every", str(DEMO_VALIDATION_EVERY)]
 
 
-def build_demo_parser() -> OneLineParser:
-    """The ``titan demo`` flags; anything else is a config override."""
-    parser = OneLineParser(prog="titan demo", description=__doc__, allow_abbrev=False)
-    parser.add_argument("--steps", type=int, default=0, help="steps per run (default: recipe's)")
-    add_renamed_flags(parser)  # --storage.root, --tracking.uri: ordinary config overrides
-    parser.add_argument(
-        "--raw-text",
-        action="store_true",
-        help="train on the raw corpus (tokenized while training) instead of preparing it",
-    )
-    return parser
+@dataclass
+class DemoOptions:
+    """The options of ``titan demo`` (config overrides aside)."""
+
+    steps: Annotated[int, default("100; --engine-only: the recipe's")] = 0
+    """training steps of this run (a rerun trains this many more)"""
+    raw_text: bool = False
+    """train on the raw corpus (tokenized while training) instead of preparing it"""
+    engine_only: bool = False
+    """train only, in this process (no Prefect, no MLflow); a rerun resumes and goes on"""
 
 
-def _demo(ns: argparse.Namespace, overrides: list[str]) -> int:
+DEMO = Command("titan demo", DemoOptions, __doc__ or "", renamed=RENAMED_FLAGS, note=OVERRIDES_NOTE)
+
+
+def _overrides(config: ConfigArgs) -> list[str]:
+    """The ``--section.field`` overrides of ``config``; the demo's recipe is its own."""
+    if config.module or config.config or config.config_file:
+        raise ConfigError(
+            f"titan demo: trains {DEMO_RECIPE}; for another recipe or file use titan pipeline "
+            "run --config RECIPE or --config-file F"
+        )
+    return list(config.overrides)
+
+
+def _demo(ns: DemoOptions, overrides: list[str]) -> int:
     home = prepare_prefect_env()  # before anything imports Prefect: it reads settings once
     from titan_core.config.resolve import cli_values, resolve_job
     from titan_core.pipeline.model_line import latest_checkpoint
@@ -77,7 +88,7 @@ def _demo(ns: argparse.Namespace, overrides: list[str]) -> int:
         overrides += ["--training.steps", str(ns.steps)]
     values = cli_values(overrides)
     cfg = resolve_job(DEMO_RECIPE, "", values)
-    latest = latest_checkpoint(absolute(cfg.storage.root), cfg.job.experiment)
+    latest = latest_checkpoint(absolute(cfg.job.dump_folder), cfg.job.experiment)
     if latest is None:
         from flows.pipeline import pretrain_pipeline
 
@@ -90,7 +101,11 @@ def _demo(ns: argparse.Namespace, overrides: list[str]) -> int:
             f"demo: continuing from {latest.step_dir} for {cfg.training.steps} more steps "
             "(promoted only if the eval loss improves)"
         )
-        result = retrain(steps=cfg.training.steps, experiment=cfg.job.experiment, overrides=values)
+        # retrain finds the line in the root given (it resolves no recipe): the one looked in.
+        root = {"job.dump_folder": cfg.job.dump_folder}
+        result = retrain(
+            steps=cfg.training.steps, experiment=cfg.job.experiment, overrides=values | root
+        )
     print(where_to_look(result, home))
     print("demo: run `make demo` again to continue training this model line")
     return 0
@@ -98,17 +113,21 @@ def _demo(ns: argparse.Namespace, overrides: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; user errors print one line and return 2."""
+    return run(_main, argv)
 
-    def dispatch() -> int:
-        """Parse the flags and run the demo."""
-        ns, rest = build_demo_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
-        if ns.steps < 0:
-            from titan_core.errors import ConfigError
 
-            raise ConfigError(f"--steps: expected an int >= 0, got {ns.steps}")
-        return _demo(ns, rest)
+def _main(argv: list[str]) -> int:
+    parsed = DEMO.parse(argv)
+    ns, overrides = parsed.options, _overrides(parsed.config)
+    if ns.steps < 0:
+        raise ConfigError(f"--steps: expected an int >= 0, got {ns.steps}")
+    if ns.engine_only:
+        if ns.raw_text:
+            raise ConfigError("--raw-text: the engine-only demo always trains on raw text")
+        from titan_core.cli import demo
 
-    return report_errors(dispatch)
+        return demo(ns.steps, overrides)
+    return _demo(ns, overrides)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,17 @@ process workers start their flow runs there.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
-from titan_core.errors import ConfigError, TitanError
+import tyro
+
+from titan_core.config.command import Command, default, run
+from titan_core.errors import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PREFECT_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
@@ -26,7 +30,7 @@ DEFAULT_POOL = "titan-process"
 # Parameters the pipeline flows took before they took the typed config, and where they went.
 LEGACY_PARAMETERS = {
     "module": "recipe (a recipe name, or family/recipe)",
-    "storage_root": "config.storage.root",
+    "storage_root": "config.job.dump_folder",
     "tracking_uri": "config.tracking.uri",
     "eval_batches": "config.evaluate.batches",
 }
@@ -112,32 +116,43 @@ def deploy(
     return subprocess.run(cmd, cwd=project_dir, env=env, check=False).returncode
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+METAVAR_NAME = tyro.conf.arg(metavar="NAME")
+
+
+@dataclass
+class DeployOptions:
     """The options of ``titan pipeline deploy``."""
-    parser.add_argument("--prefect-file", default=str(DEFAULT_PREFECT_FILE), help="prefect.yaml")
-    parser.add_argument(
-        "--pool", default="", help=f"work pool (default: the file's, {DEFAULT_POOL})"
+
+    prefect_file: Annotated[str, tyro.conf.arg(metavar="FILE")] = str(DEFAULT_PREFECT_FILE)
+    """the deployments file"""
+    pool: Annotated[str, default(f"the file's, else {DEFAULT_POOL}"), METAVAR_NAME] = ""
+    """work pool the deployments run in"""
+    pool_type: Annotated[str, tyro.conf.arg(metavar="TYPE")] = "process"
+    """type of a pool created here"""
+    name: Annotated[list[str], default("all of the file's"), METAVAR_NAME] = field(
+        default_factory=list
     )
-    parser.add_argument("--pool-type", default="process", help="type of a pool created here")
-    parser.add_argument(
-        "--name", dest="names", action="append", default=[], help="deployment name (repeatable)"
-    )
+    """deployments to register (several, or repeat --name)"""
 
 
-def run(ns: argparse.Namespace) -> int:
-    """Deploy from parsed arguments; user errors print one line and return 2."""
-    try:
-        return deploy(ns.prefect_file, ns.pool, ns.names, ns.pool_type)
-    except TitanError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+DEPLOY = Command(
+    "titan pipeline deploy",
+    DeployOptions,
+    __doc__ or "",
+    takes_config=False,
+)
+
+
+def deploy_command(argv: list[str]) -> int:
+    """``titan pipeline deploy`` on ``argv``: parse, then ``deploy``."""
+    ns = DEPLOY.parse(argv).options
+    return deploy(ns.prefect_file, ns.pool, ns.name, ns.pool_type)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: ``python -m flows.deploy`` == ``titan pipeline deploy``."""
-    parser = argparse.ArgumentParser(prog="titan pipeline deploy", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """Standalone entry: ``python -m flows.deploy`` == ``titan pipeline deploy``; user errors
+    print one line and return 2."""
+    return run(deploy_command, argv)
 
 
 if __name__ == "__main__":

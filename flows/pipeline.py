@@ -134,7 +134,7 @@ def pretrain_pipeline(
         parent_run_id: MLflow run to nest this pipeline's run under (e.g. a sweep's run).
     """
     cfg = resolve_job(recipe, config_file, flow_values(config, overrides))
-    paths = RunPaths(absolute(cfg.storage.root), cfg.job.experiment, current_run_id(run_id))
+    paths = RunPaths(absolute(cfg.job.dump_folder), cfg.job.experiment, current_run_id(run_id))
     name_flow_run(f"{cfg.job.experiment}/{paths.run_id}", run_tags(cfg, recipe))
 
     def body(tracking: TrackingContext | None) -> dict[str, Any]:
@@ -146,7 +146,7 @@ def pretrain_pipeline(
             storage.exists,
             source=source,
             dest=paths.path("tokenizer"),
-            storage_root=paths.root,
+            root=paths.root,
             attempts=cfg.storage.retries,
             progress=cfg.storage.progress,
         )
@@ -159,7 +159,7 @@ def pretrain_pipeline(
             create_seed_checkpoint,
             is_complete,
             config_url=paths.config,
-            identity=seed_identity(job, checked.model_args),
+            identity=seed_identity(job, checked.model_args, paths.root),
         )
         result = train_and_publish(job, paths, tracking, seed_url=seed_url) | {
             "tokenizer": tokenizer_url,

@@ -1,6 +1,6 @@
 """``retrain``: continue a model line from its newest checkpoint, evaluate, promote if better.
 
-A model line is ``<storage.root>/<experiment>/``: every run of the experiment. The newest
+A model line is ``<job.dump_folder>/<experiment>/``: every run of the experiment. The newest
 complete checkpoint among them (by commit time) seeds a new run that trains ``steps`` more
 steps with the previous run's config (plus any overrides, e.g. new data), is exported and
 evaluated, and becomes a new model version; the ``champion`` alias moves to it only when its
@@ -49,13 +49,14 @@ def retrain(
 
     Args:
         steps: Steps to train past the newest checkpoint.
-        experiment: Model line to continue (<storage.root>/<experiment>/); empty uses
+        experiment: Model line to continue (<job.dump_folder>/<experiment>/); empty uses
             job.experiment of the config.
-        config: Settings changed for the new run, section by section (storage.root and
-            tracking.uri also say where the model line lives); empty fields keep the previous
-            run's values.
+        config: Settings changed for the new run, section by section (job.dump_folder, the
+            output root, default ./outputs, and tracking.uri also say where the model line
+            lives); empty fields keep the previous run's values.
         overrides: Dotted config keys to values, applied last, e.g. {"data.sources": [...]}.
-        config_file: TOML job config replacing the previous run's config.toml as the base.
+        config_file: TOML job config replacing the previous run's config.toml as the base (the
+            output root still comes from config or overrides).
         parent_run_id: MLflow run to nest this run under.
     """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -63,8 +64,10 @@ def retrain(
 
         raise ConfigError(f"retrain: steps: expected an int >= 1, got {steps!r}")
     values = flow_values(config, overrides)
+    # The root comes from the user's values (else JobConfig's ./outputs), never from a saved
+    # config.toml: there job.dump_folder is that run's own folder.
     base = resolve_job("", "", values)
-    root = absolute(base.storage.root)
+    root = absolute(base.job.dump_folder)
     line = experiment or base.job.experiment
     configure_credentials(base.storage.credentials_block)
     latest = find_latest_checkpoint(root, line)
@@ -72,10 +75,10 @@ def retrain(
     cfg = resolve_job(
         "",
         config_file or latest.config_url,
-        {**values, "storage.root": root, "job.experiment": line},
+        {**values, "job.dump_folder": root, "job.experiment": line},
     )
     cfg = reresolve_autos(cfg, values)
-    paths = RunPaths(absolute(cfg.storage.root), line, current_run_id())
+    paths = RunPaths(root, line, current_run_id())
     name_flow_run(f"{line}/{paths.run_id}", [*run_tags(cfg), "retrain"])
 
     def body(tracking: TrackingContext | None) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from titan_core.pipeline.tokenizer import store_tokenizer, tokenizer_cache_key
 
 
 def _cache_key(context: Any, params: dict[str, Any]) -> str:
-    """Prefect ``cache_key_fn``: by source and storage location."""
-    return tokenizer_cache_key(params["source"], params["storage_root"])
+    """Prefect ``cache_key_fn``: by source and output root."""
+    return tokenizer_cache_key(params["source"], params["root"])
 
 
 @task(
@@ -27,11 +27,12 @@ def _cache_key(context: Any, params: dict[str, Any]) -> str:
     retry_condition_fn=retry_transient,
 )
 def download_tokenizer(
-    source: str, dest: str, storage_root: str, attempts: int = 4, progress: bool = True
+    source: str, dest: str, root: str, attempts: int = 4, progress: bool = True
 ) -> str:
     """Fetch the tokenizer ``source`` and store it under ``dest``; returns the stored file's URL.
 
-    Cached by (source, storage root): ``dest`` may differ between runs that share the result.
+    Cached by (source, output ``root``, the runs' shared root): ``dest`` may differ between
+    runs that share the result.
     """
     stored = store_tokenizer(source, dest, attempts=attempts, progress=progress)
     run_logger().info(

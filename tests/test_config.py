@@ -578,6 +578,105 @@ def test_old_flat_keys_name_the_new_key_at_every_door() -> None:
         validate(cfg)
 
 
+STORAGE_ROOT_MOVED = "it moved to {}job.dump_folder (the one output root)"
+
+
+def test_storage_root_is_refused_at_every_door_naming_job_dump_folder(tmp_path: Path) -> None:
+    """``storage.root`` became ``job.dump_folder``: the CLI, flow values, the config form and a
+    deployment's parameters refuse it in one line naming the new key."""
+    from flows.deploy import check_parameters
+    from titan_core.config.form import flow_values
+    from titan_core.config.resolve import resolve_job
+
+    assert config_error(["--storage.root", "/runs"]) == (
+        "unknown option --storage.root; " + STORAGE_ROOT_MOVED.format("--")
+    )
+    with pytest.raises(ConfigError) as err:
+        resolve_job("llama3_debugmodel", "", flow_values(None, {"storage.root": "/runs"}))
+    assert str(err.value) == "storage.root: unknown config key; " + STORAGE_ROOT_MOVED.format("")
+    with pytest.raises(ConfigError) as err:
+        flow_values({"storage": {"root": "/runs"}}, None)
+    assert str(err.value) == (
+        "config.storage.root: no such section or field of the job config; "
+        + STORAGE_ROOT_MOVED.format("config.")
+    )
+    deployment = "deployments:\n- name: old\n  entrypoint: flows/pipeline.py:pretrain_pipeline\n"
+    path = Path(
+        write(tmp_path, deployment + "  parameters: {config: {storage: {root: s3://b/r}}}\n")
+    )
+    with pytest.raises(ConfigError) as err:
+        check_parameters(path)
+    assert str(err.value) == (
+        f"{path.name}: deployment 'old': config.storage.root: no such section or field of the "
+        "job config; " + STORAGE_ROOT_MOVED.format("config.")
+    )
+    path.write_text(deployment + "  parameters: {storage_root: s3://b/r}\n")
+    with pytest.raises(ConfigError, match=r"parameter storage_root is gone; use config\.job\.dump"):
+        check_parameters(path)
+
+
+@pytest.mark.parametrize("dump_folder", ["", "/runs/titan/20260101-000000-abcdef"])
+def test_an_old_toml_storage_root_is_read_as_job_dump_folder(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, dump_folder: str
+) -> None:
+    """A file written before the one root (a hand-written pipeline config, or an old run's saved
+    config.toml, which retrain reads) loads with a warning: ``[storage] root`` becomes
+    job.dump_folder, unless the file sets job.dump_folder too (an old run's config.toml, where it
+    is the run's folder): then storage.root is ignored."""
+    from titan_core.config.resolve import resolve_job
+    from titan_core.logging import logger
+
+    text = '[storage]\nroot = "/old-root"\nretries = 2\n'
+    if dump_folder:
+        text = f'[job]\ndump_folder = "{dump_folder}"\n' + text
+    path = write(tmp_path, text)
+    logger.addHandler(caplog.handler)
+    try:
+        cfg = parse_args(["--job.config_file", path])
+        assert resolve_job("", path) == dataclasses.replace(
+            cfg, job=dataclasses.replace(cfg.job, config_file=path)
+        )
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert cfg.job.dump_folder == (dump_folder or "/old-root") and cfg.storage.retries == 2
+    if dump_folder:
+        expected = f"{path}: old keys ignored, the file sets their new names: storage.root"
+    else:
+        expected = f"{path}: old keys read as their new names: storage.root as job.dump_folder"
+    assert {r.getMessage() for r in caplog.records if r.levelname == "WARNING"} == {expected}
+
+
+def test_a_pipeline_run_config_is_its_run_root_and_shares_the_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipeline run trains with job.dump_folder = its run root: its saved config.toml resumes
+    the run in place (``titan train --job.config_file <run>/config.toml``). What runs share (data,
+    the MLflow store, the seed and tokenizer caches) comes from the root, never from a run's
+    config: two runs of one root share them."""
+    from flows.config import run_config
+    from titan_core.pipeline.data import data_root
+    from titan_core.pipeline.seed import seed_identity
+    from titan_core.pipeline.storage import RunPaths
+    from titan_core.pipeline.tracking import artifact_location, resolve_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root = str(tmp_path / "root")
+    cfg = parse_args([*DEBUG, "--job.dump_folder", root, "--job.experiment", "line"])
+    first, second = (RunPaths(root, "line", run_id) for run_id in ("run-1", "run-2"))
+    job = run_config(cfg, first, "/tok.tiktoken")
+    assert job.job.dump_folder == first.run_root == f"{root}/line/run-1"
+    saved = Path(write(tmp_path, to_toml(job), "config.toml"))
+    resumed = parse_args(["--job.config_file", str(saved)])
+    assert resumed.job.dump_folder == first.run_root and resumed.checkpoint.folder == "checkpoint"
+    assert "root" not in tomllib.loads(saved.read_text())["storage"]
+    assert data_root(cfg) == f"{root}/data"
+    assert resolve_tracking_uri(cfg) == f"sqlite:///{root}/mlflow.db"
+    assert artifact_location(cfg, resolve_tracking_uri(cfg)) == f"{root}/mlflow-artifacts/line"
+    other = run_config(cfg, second, "/tok.tiktoken")
+    assert seed_identity(job, {}, first.root) == seed_identity(other, {}, second.root)
+    assert seed_identity(job, {}, first.root)["storage"] == root
+
+
 @dataclasses.dataclass(kw_only=True)
 class _Inner:
     """A nested section with a boolean and a list (Slurm has no boolean)."""

@@ -53,8 +53,8 @@ def test_form_has_every_section_and_field_with_help_and_no_default() -> None:
     assert mix["type"] == "array" and mix["items"] == {"type": "string"}
     assert mix["examples"] == [[]] and "Default: [] " in mix["description"]
     # Placeholders survive a markdown renderer (the Prefect UI's help text).
-    root = schema["$defs"]["StorageForm"]["properties"]["root"]["description"]
-    assert "`<root>/<experiment>/<run>/`" in root
+    root = schema["$defs"]["JobForm"]["properties"]["dump_folder"]["description"]
+    assert "`<dump_folder>/<experiment>/<run_id>/`" in root
     assert markdown_safe("in <a>/<b>/, then <c>.") == "in `<a>/<b>/`, then `<c>`."
 
 

@@ -60,7 +60,7 @@ class Stack:
     worker: PrefectWorker
     work: Path
     s3: Any
-    store: str  # the deployed model line's storage root on S3
+    store: str  # the deployed model line's output root on S3
 
 
 def _start_servers(work: Path, s3_server: Any) -> tuple[PrefectServer, MlflowServer]:
@@ -106,7 +106,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Iterator[
         assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
         # MLflow's HTTP retries back off for minutes by default: fail a broken test faster.
         env = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
-        # The worker's environment reaches its flow runs: S3 credentials for the storage root.
+        # The worker's environment reaches its flow runs: S3 credentials for the output root.
         worker = prefect.start_worker(DEFAULT_POOL, work / "runs", env={**env, **s3_server.env()})
         store = s3_server.url(f"deployed-{uuid.uuid4().hex[:8]}")
         yield Stack(prefect, mlflow, worker, work, s3_server, store)
@@ -255,10 +255,9 @@ def _line_config(stack: Stack) -> dict[str, Any]:
     """Where the deployed model line lives (S3 storage, MLflow on the tracking server) and its
     eval, as the flows' typed ``config`` parameter."""
     return {
-        "storage": {"root": stack.store},
+        "job": {"dump_folder": stack.store, "experiment": LINE},
         "tracking": {"uri": stack.mlflow.uri},
         "evaluate": {"batches": 2},
-        "job": {"experiment": LINE},
     }
 
 
@@ -369,7 +368,7 @@ def test_deploy_refuses_old_pipeline_parameters_in_one_line(stack: Stack) -> Non
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == (
         "error: old-prefect.yaml: deployment 'pretrain-old': parameter storage_root is gone; "
-        "use config.storage.root\n"
+        "use config.job.dump_folder\n"
     )
     with api(stack.prefect) as client:
         assert "pretrain-old" not in {d.name for d in client.read_deployments()}
@@ -417,7 +416,9 @@ def test_pipeline_deployment_runs_to_completion(stack: Stack, pretrained: dict) 
     toml = stack.s3.filesystem().cat(f"{pretrained['run_root']}/config.toml").decode()
     config = tomllib.loads(toml)
     assert config["training"]["steps"] == STEPS and config["evaluate"]["batches"] == 2
-    assert config["storage"]["root"] == stack.store
+    # One output root: the saved config's job.dump_folder is the run's folder, no storage.root.
+    assert config["job"]["dump_folder"] == pretrained["run_root"]
+    assert "root" not in config["storage"]
     # Tracked on the server: a finished parent run and a registered model version.
     mlflow = MlflowClient(stack.mlflow.uri)
     exp = mlflow.get_experiment_by_name(LINE)

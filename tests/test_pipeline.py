@@ -64,7 +64,7 @@ def hub(assets: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def line(s3_server: Any, hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """Storage root on S3, MLflow on SQLite, and the S3 + hub credentials in the environment."""
+    """Output root on S3, MLflow on SQLite, and the S3 + hub credentials in the environment."""
     with pytest.MonkeyPatch.context() as mp:
         s3_server.set_env(mp)
         mp.setenv("HF_ENDPOINT", hub.endpoint)
@@ -77,11 +77,10 @@ def line(s3_server: Any, hub: Any, tmp_path_factory: pytest.TempPathFactory) -> 
 def _line_form(line: dict) -> dict[str, Any]:
     """Where the line lives and its eval, as the typed ``config`` parameter takes them."""
     return {
-        "storage": {"root": line["storage"]},
+        "job": {"dump_folder": line["storage"], "experiment": EXPERIMENT},
         "tracking": {"uri": line["tracking"]},
         "evaluate": {"batches": 2},
         "tokenizer": {"path": f"hf://{HF_REPO}@main/{HF_FILE}"},
-        "job": {"experiment": EXPERIMENT},
     }
 
 
@@ -203,10 +202,11 @@ def test_mlflow_parent_and_stage_runs(first_run: dict, line: dict, s3_server: An
     assert all(params[k] not in ("-1", "-1.0") for k in auto), {k: params[k] for k in auto}
     assert params["parallelism.data_parallel_shard_degree"] == "2"
     assert params["checkpoint.initial_load_path"] == first_run["result"]["seed"]
-    assert (
-        params["job.dump_folder"]
-        == params["storage.root"] + f"/{EXPERIMENT}/" + parent.info.run_name
-    )
+    # One output root: the saved config's (and the params') job.dump_folder is the folder the
+    # ranks wrote, <root>/<experiment>/<run_id>, and no storage.root is left to bridge.
+    run_root = f"{line['storage']}/{EXPERIMENT}/{parent.info.run_name}"
+    assert params["job.dump_folder"] == run_root == first_run["result"]["run_root"]
+    assert not any(key.startswith("storage.root") for key in params)
     tags = parent.data.tags
     assert tags["prefect.flow_run_id"] == str(first_run["flow_run_id"])
     assert tags["storage_root"] == first_run["result"]["run_root"]
@@ -417,7 +417,7 @@ def test_retrain_continues_line_and_moves_champion_only_if_better(
         retrain,
         steps=2,
         experiment=EXPERIMENT,
-        config={"storage": {"root": line["storage"]}, "tracking": {"uri": line["tracking"]}},
+        config={"job": {"dump_folder": line["storage"]}, "tracking": {"uri": line["tracking"]}},
         overrides={
             # The line's last run trained on 1 rank and saved FSDP degree 1: 2 ranks now.
             "launch.nproc_per_node": 2,

@@ -29,13 +29,13 @@ def test_malformed_input_is_one_console_line_without_traceback(
     argv = ["--tracking.uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
     if case == "tracking_down":
         argv = ["--tracking.uri", f"http://127.0.0.1:{free_port()}"]
-        argv += ["--storage.root", str(tmp_path / "out")]
+        argv += ["--job.dump_folder", str(tmp_path / "out")]
         expected = "error: tracking.uri: no MLflow server answers"
     else:  # the S3 server is up, but this process has no credentials for it
         env |= {"AWS_ENDPOINT_URL": s3_server.endpoint_url, "AWS_EC2_METADATA_DISABLED": "true"}
         env |= {"AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
-        argv += ["--storage.root", s3_server.url("runs")]
-        expected = "error: storage.root:"
+        argv += ["--job.dump_folder", s3_server.url("runs")]
+        expected = "error: job.dump_folder:"
     started = datetime.datetime.now(datetime.UTC)
     proc = subprocess.run(
         [sys.executable, "-m", "flows.main", "pipeline", "run", *argv],

@@ -210,7 +210,7 @@ def test_pipeline_trains_and_registers_a_qwen3_export(
         recipe=f"{module}/{module}_debugmodel_tiny",
         config={"job": {"experiment": experiment}, "evaluate": {"batches": 2}},
         overrides=tiny_values(steps=2, nproc=1)
-        | {"storage.root": str(tmp_path / "runs"), "tracking.uri": tracking},
+        | {"job.dump_folder": str(tmp_path / "runs"), "tracking.uri": tracking},
     )
     assert state.is_completed(), state.message
     result = state.result()

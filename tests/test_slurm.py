@@ -152,7 +152,7 @@ def test_pipeline_trains_on_slurm(
 
     overrides = tiny_values(steps=4, nproc=1) | {"launch.backend": "slurm", "launch.nnodes": 2}
     overrides |= {"launch.slurm.poll_seconds": 1, "launch.slurm.time_limit": "10"}
-    overrides |= {"storage.root": str(tmp_path / "runs"), "evaluate.batches": 1}
+    overrides |= {"job.dump_folder": str(tmp_path / "runs"), "evaluate.batches": 1}
     overrides["tracking.uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     state, flow_run_id = run_flow(pretrain_pipeline, recipe=TINY[3], overrides=overrides)
     assert state.is_completed(), state.message

@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from titan_core.config.job import JobConfig
-from titan_core.config.manager import _moved, _schema
+from titan_core.config.manager import _moved_hint, _schema
 from titan_core.errors import ConfigError
 
 # Strict: "4" is no int and 1 no bool, as on the command line and in TOML (ints pass as floats).
@@ -171,8 +171,8 @@ def as_form(config: Any) -> BaseModel | None:
         first = e.errors()[0]
         where = ".".join(str(part) for part in ("config", *first["loc"]))
         if first["type"] == "extra_forbidden":
-            moved = _moved(".".join(str(part) for part in first["loc"]), _schema(JobConfig))
-            hint = f"; it moved to config.{moved}" if moved else ""
+            key = ".".join(str(part) for part in first["loc"])
+            hint = _moved_hint(key, _schema(JobConfig), "config.")
             raise ConfigError(
                 f"{where}: no such section or field of the job config{hint}"
             ) from None

@@ -28,11 +28,14 @@ class Job:
     config_file: str = ""
     """TOML file whose values override the registry config (CLI overrides win over it)."""
     dump_folder: str = "./outputs"
-    """Root folder or fsspec URL for checkpoints, traces, snapshots and metrics of this job."""
+    """Output root, a folder or fsspec URL (s3://bucket/prefix). `titan train` writes this job
+    here (checkpoint/, metrics, config.toml); a pipeline run writes to
+    <dump_folder>/<experiment>/<run_id>/ and keeps what its runs share here (data/, the default
+    MLflow store, the tokenizer cache)."""
     description: str = "titan training job"
     """Free-text description recorded with the resolved config."""
     experiment: str = "titan"
-    """Experiment this job belongs to: its MLflow experiment and <storage.root>/<experiment>/."""
+    """Experiment this job belongs to: its MLflow experiment and <dump_folder>/<experiment>/."""
     print_config: bool = False
     """Log the resolved config as TOML at start-up."""
     save_config: bool = True
@@ -212,7 +215,7 @@ class Data:
     text_field: str = "text"
     """Row field holding the document text (jsonl, json, parquet and Hugging Face rows)."""
     root: str = ""
-    """Where prepared datasets live (shared by model lines); empty uses <storage.root>/data."""
+    """Where prepared datasets live (shared by model lines); empty uses <job.dump_folder>/data."""
     validation_every: int = 100
     """Hold out every Nth document of each source file as the validation split; 0 holds none."""
     workers: int = 0
@@ -768,10 +771,8 @@ class Launch:
 
 @dataclass(kw_only=True)
 class Storage:
-    """Where pipeline runs keep their artifacts."""
+    """How pipeline runs reach their storage (job.dump_folder says where it is)."""
 
-    root: str = "./outputs"
-    """Run root: a folder or URL (s3://bucket/prefix); a run lives in <root>/<experiment>/<run>/."""
     credentials_block: str = ""
     """Prefect Secret block with S3 credentials as JSON; empty reads the AWS_* environment."""
     retries: int = 4
@@ -780,7 +781,6 @@ class Storage:
     """Show progress bars for uploads and downloads."""
 
     def __post_init__(self) -> None:
-        _require(bool(self.root), "storage.root", "a non-empty path or URL", self.root)
         _require(self.retries >= 1, "storage.retries", "an int >= 1", self.retries)
 
 
@@ -791,9 +791,9 @@ class Tracking:
     enable: bool = True
     """Record runs, params, metrics and models in MLflow."""
     uri: str = ""
-    """Tracking URI; empty uses $MLFLOW_TRACKING_URI, else sqlite:///<storage.root>/mlflow.db."""
+    """Tracking URI; empty uses $MLFLOW_TRACKING_URI, else sqlite:///<job.dump_folder>/mlflow.db."""
     artifact_location: str = ""
-    """Artifact root of a new experiment; empty uses <storage.root>/mlflow-artifacts (or the
+    """Artifact root of a new experiment; empty uses <job.dump_folder>/mlflow-artifacts (or the
     server's default for an http URI)."""
     registered_model: str = ""
     """Registry name of the Hugging Face export; empty uses job.experiment."""
@@ -844,6 +844,6 @@ class JobConfig:
     launch: Launch = field(default_factory=Launch)
     """How the pipeline launches training."""
     storage: Storage = field(default_factory=Storage)
-    """Run storage of the pipeline."""
+    """Storage access of the pipeline (credentials, retries)."""
     tracking: Tracking = field(default_factory=Tracking)
     """MLflow tracking of the pipeline."""

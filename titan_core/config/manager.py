@@ -112,16 +112,34 @@ def _flat_spellings(schema: dict[str, _Spec]) -> dict[str, str]:
     return out
 
 
+# Keys renamed into another section, with why: the CLI, flow parameters and forms refuse the old
+# spelling in one line naming the new key; an old TOML file is read with it as the new key.
+RENAMED_KEYS = {"storage.root": ("job.dump_folder", "the one output root")}
+
+
 def _moved(key: str, schema: dict[str, _Spec]) -> str | None:
-    """The key that the old flat ``key`` is now: ``launch.slurm_partition`` is
-    ``launch.slurm.partition``; None when ``key`` is no such old spelling."""
+    """The key that the old ``key`` is now: ``launch.slurm_partition`` is
+    ``launch.slurm.partition`` (``_flat_spellings``), ``storage.root`` is ``job.dump_folder``
+    (``RENAMED_KEYS``); None when ``key`` is no such old spelling."""
+    if key in RENAMED_KEYS:
+        return RENAMED_KEYS[key][0]
     return _flat_spellings(schema).get(key)
 
 
+def _moved_hint(key: str, schema: dict[str, _Spec], prefix: str) -> str:
+    """``"; it moved to {prefix}NEW"`` (and why, for a renamed key) when the old ``key`` moved,
+    else ""."""
+    moved = _moved(key, schema)
+    if moved is None:
+        return ""
+    why = f" ({RENAMED_KEYS[key][1]})" if key in RENAMED_KEYS else ""
+    return f"; it moved to {prefix}{moved}{why}"
+
+
 def _negated(key: str) -> str:
-    """``a.b.no_c`` for the bool key ``a.b.c``."""
-    parent, _, name = key.rpartition(".")
-    return f"{parent}.no_{name}"
+    """``a.b.no_c`` for the bool key ``a.b.c`` (``no_c`` for a top-level ``c``)."""
+    parent, dot, name = key.rpartition(".")
+    return f"{parent}{dot}no_{name}"
 
 
 def _get(obj: Any, key: str) -> Any:
@@ -166,9 +184,9 @@ def _did_you_mean(key: str, schema: dict[str, _Spec], prefix: str) -> str:
     """Suggest known keys close to ``key``: its new spelling when a nested section took it over
     (``launch.slurm_partition`` is ``launch.slurm.partition``), else the same field name
     elsewhere or a near spelling."""
-    moved = _moved(key, schema)
+    moved = _moved_hint(key, schema, prefix)
     if moved:
-        return f"; it moved to {prefix}{moved}"
+        return moved
     pool = list(schema) + [_negated(k) for k, s in schema.items() if s.kind == "bool"]
     name = key.rsplit(".", 1)[-1]
     same_name = [k for k in schema if k.rsplit(".", 1)[-1] == name and k != key]
@@ -235,7 +253,7 @@ def _lookup(name: str, schema: dict[str, _Spec]) -> tuple[str, bool]:
     if key in schema:
         return key, False
     section, _, field_name = key.rpartition(".")
-    positive = f"{section}.{field_name.removeprefix('no_')}"
+    positive = f"{section}.{field_name.removeprefix('no_')}".lstrip(".")
     if field_name.startswith("no_") and positive in schema and schema[positive].kind == "bool":
         return positive, True
     hint = _did_you_mean(key, schema, "--") or " (see --help for the options)"
@@ -293,8 +311,7 @@ def _scan_cli(argv: list[str], schema: dict[str, _Spec]) -> tuple[dict[str, Any]
             if has_inline or (i < len(argv) and not argv[i].startswith("--")):
                 raise _bool_refusal(token if has_inline else f"{token} {argv[i]}", key)
             values[key] = not negated
-            section, _, field_name = flag.rpartition(".")
-            tyro_argv.append(f"{section}.no-{field_name}" if negated else flag)
+            tyro_argv.append("--" + _negated(key).replace("_", "-") if negated else flag)
             continue
         if has_inline:
             texts = [inline]
@@ -332,6 +349,7 @@ def _toml_values(path: str, base: JobConfig) -> dict[str, Any]:
     schema = _schema(type(base))
     sections = {key.split(".")[0] for key in schema}
     values: dict[str, Any] = {}
+    moved: dict[str, tuple[str, Any]] = {}
     for section, table in _read_toml(path).items():
         section_key = section.replace("-", "_")
         if not isinstance(table, dict) and section_key in sections:
@@ -341,8 +359,36 @@ def _toml_values(path: str, base: JobConfig) -> dict[str, Any]:
             raise ConfigError(f"{path}: key {section!r} is outside any [section] table{hint}")
         if section_key not in sections:
             raise _unknown_section(path, section, section_key, sections)
-        values |= _table_values(path, section, section_key, table, type(base))
-    return values
+        found, old = _table_values(path, section, section_key, table, type(base))
+        values |= found
+        moved |= old
+    return values | _moved_values(path, moved, values, schema)
+
+
+def _moved_values(
+    path: str, moved: dict[str, tuple[str, Any]], values: dict[str, Any], schema: dict[str, _Spec]
+) -> dict[str, Any]:
+    """The values a TOML file gives under old keys (``moved``: new key -> (old key, value)), as
+    their new keys. A file saved before a key moved lists it (every saved config.toml lists every
+    key), so old runs still load, retrain and export. The new key wins when the file sets both
+    (an old run's saved storage.root is ignored: its job.dump_folder is the run's folder)."""
+    out: dict[str, Any] = {}
+    read, ignored = [], []
+    for key, (old, value) in moved.items():
+        if key in values:
+            ignored.append(old)
+        else:
+            out[key] = _toml_value(path, key, schema[key], value)
+            read.append(f"{old} as {key}")
+    from titan_core.logging import logger
+
+    if read:
+        logger.warning("%s: old keys read as their new names: %s", path, ", ".join(read))
+    if ignored:
+        logger.warning(
+            "%s: old keys ignored, the file sets their new names: %s", path, ", ".join(ignored)
+        )
+    return out
 
 
 def _unknown_section(path: str, shown: str, key: str, sections: Iterable[str]) -> ConfigError:
@@ -353,40 +399,34 @@ def _unknown_section(path: str, shown: str, key: str, sections: Iterable[str]) -
 
 def _table_values(
     path: str, shown: str, section: str, table: dict[str, Any], cls: type
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, tuple[str, Any]]]:
     """The dotted-key values of TOML table ``[shown]`` (section ``section``), nested tables
-    (``[launch.slurm]``) included, type-checked."""
+    (``[launch.slurm]``) included, type-checked; and the values it gives under old keys, as
+    new key -> (old key, value) (read by ``_moved_values``)."""
     schema, sections = _schema(cls), _sections(cls)
     values: dict[str, Any] = {}
-    moved: dict[str, Any] = {}
+    moved: dict[str, tuple[str, Any]] = {}
     for name, value in table.items():
         key, where = f"{section}.{name.replace('-', '_')}", f"{shown}.{name}"
         if key in sections:
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: {where} must be a [{where}] table, got {value!r}")
-            values |= _table_values(path, where, key, value, cls)
+            found, old = _table_values(path, where, key, value, cls)
+            values |= found
+            moved |= old
             continue
         if isinstance(value, dict) and key not in schema:
             nested = [s for s in sections if s.startswith(section + ".")]
             raise _unknown_section(path, where, key, nested)
-        if key not in schema and _moved(key, schema):
-            # A file saved before the key moved (every saved config.toml lists every key): read
-            # it as the new key, so old runs still load, retrain and export.
-            key = _moved(key, schema) or key
-            moved[key] = value
+        new_key = None if key in schema else _moved(key, schema)
+        if new_key is not None:
+            moved[new_key] = (key, value)
             continue
         if key not in schema:
             hint = _did_you_mean(key, schema, "")
             raise ConfigError(f"{path}: unknown key {where}{hint}")
         values[key] = _toml_value(path, key, schema[key], value)
-    for key, value in moved.items():
-        if key not in values:  # the new spelling wins when a file has both
-            values[key] = _toml_value(path, key, schema[key], value)
-    if moved:
-        from titan_core.logging import logger
-
-        logger.warning("%s: old keys read as their new names: %s", path, ", ".join(moved))
-    return values
+    return values, moved
 
 
 def _toml_value(path: str, key: str, spec: _Spec, value: Any) -> Any:

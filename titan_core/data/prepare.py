@@ -166,14 +166,14 @@ class PrepareResult:
 
 
 def spec_from_config(cfg: Any) -> PrepareSpec:
-    """The PrepareSpec of a JobConfig's ``[data]`` section (root defaults to <storage.root>/data,
+    """The PrepareSpec of a JobConfig's ``[data]`` section (root defaults to <job.dump_folder>/data,
     the tokenizer to the bundled one)."""
     from titan_core.data.assets import default_tokenizer_path
 
     return PrepareSpec(
         sources=tuple(cfg.data.sources),
         tokenizer_path=cfg.tokenizer.path or str(default_tokenizer_path()),
-        root=cfg.data.root or f"{cfg.storage.root.rstrip('/')}/data",
+        root=cfg.data.root or f"{cfg.job.dump_folder.rstrip('/')}/data",
         text_field=cfg.data.text_field,
         validation_every=cfg.data.validation_every,
     )

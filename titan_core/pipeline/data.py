@@ -61,13 +61,14 @@ class PreparedData:
 
 
 def data_root(cfg: JobConfig) -> str:
-    """Where prepared datasets live: ``data.root``, else ``<storage.root>/data``."""
+    """Where prepared datasets live: ``data.root``, else ``<job.dump_folder>/data`` of the user's
+    config (the output root; a run's config has its own folder there)."""
     from titan_core import storage
     from titan_core.pipeline.storage import absolute
 
     if cfg.data.root:
         return absolute(cfg.data.root)
-    return storage.join(absolute(cfg.storage.root), "data")
+    return storage.join(absolute(cfg.job.dump_folder), "data")
 
 
 def prepare_params(cfg: JobConfig, tokenizer_path: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""A model line: every run of one experiment under ``<storage.root>/<experiment>/``, the newest
+"""A model line: every run of one experiment under ``<job.dump_folder>/<experiment>/``, the newest
 complete checkpoint among them (what ``retrain`` and ``make demo`` continue from), and the policy
 of continuing it: the config of the next run (``continued_config``, ``reresolve_autos``)."""
 

@@ -1,6 +1,6 @@
 """The seed checkpoint: the initial weights every run of a model config starts from.
 
-Written once per (model shape, vocabulary, seed, export dtype, storage location) with every
+Written once per (model shape, vocabulary, seed, export dtype, output root) with every
 parallel degree at 1, so that runs with any layout start from identical weights; later runs with
 the same identity get the cached URL and load it through ``checkpoint.initial_load_path``.
 """
@@ -19,14 +19,15 @@ from titan_core.pipeline.common import load_config
 from titan_core.pipeline.storage import SEED_DIR, refresh, storage_identity
 
 
-def seed_identity(cfg: JobConfig, model_args: dict[str, Any]) -> dict[str, Any]:
-    """What the seed's weights depend on: model shape (vocabulary included), seed, dtype, where."""
+def seed_identity(cfg: JobConfig, model_args: dict[str, Any], root: str) -> dict[str, Any]:
+    """What the seed's weights depend on: model shape (vocabulary included), seed, dtype, and
+    where: the output ``root`` its runs share (not ``cfg``'s dump_folder, a run's own folder)."""
     return {
         "model": cfg.model.name,
         "model_args": model_args,
         "seed": cfg.debug.seed,
         "export_dtype": cfg.checkpoint.export_dtype,
-        "storage": storage_identity(cfg.storage.root),
+        "storage": storage_identity(root),
     }
 
 

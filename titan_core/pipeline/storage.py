@@ -1,6 +1,6 @@
 """Run storage: the run-root layout, S3 credentials, access checks and retried uploads.
 
-Layout of one run (``storage.root`` is a folder or ``s3://bucket/prefix``)::
+Layout of one run (the output root ``job.dump_folder`` is a folder or ``s3://bucket/prefix``)::
 
     <root>/<experiment>/<run_id>/
       config.toml  tokenizer/  checkpoint/seed  checkpoint/step-N  hf/  eval/
@@ -42,7 +42,7 @@ class StorageError(TitanError):
 
 @dataclass(frozen=True)
 class RunPaths:
-    """Every URL of one run, derived from the storage root, experiment and run id."""
+    """Every URL of one run, derived from the output root, experiment and run id."""
 
     root: str
     experiment: str
@@ -122,7 +122,7 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
-def describe_error(url: str, e: BaseException, key: str = "storage.root") -> StorageError:
+def describe_error(url: str, e: BaseException, key: str = "job.dump_folder") -> StorageError:
     """A one-line ``StorageError`` for a failed storage operation on ``url``."""
     name = type(e).__name__
     if isinstance(e, PermissionError) or name in ("NoCredentialsError", "ClientError"):
@@ -136,7 +136,7 @@ def describe_error(url: str, e: BaseException, key: str = "storage.root") -> Sto
     return StorageError(f"{key}: {url}: {_reason(e)}")
 
 
-def check_storage(url: str, key: str = "storage.root") -> None:
+def check_storage(url: str, key: str = "job.dump_folder") -> None:
     """Write, read back and delete a probe object under ``url``; ``StorageError`` otherwise."""
     probe = storage.join(url, f".titan-probe-{uuid.uuid4().hex[:8]}")
     try:

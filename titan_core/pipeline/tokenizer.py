@@ -8,7 +8,7 @@ Sources (``tokenizer.path`` of the job):
 - any fsspec URL (``s3://…``, ``https://…``) or a local file.
 
 The file must be a tiktoken ranks file (checked before it is stored). The stage is cached by
-source (the revision is part of it) and storage location (``tokenizer_cache_key``): a later run
+source (the revision is part of it) and output root (``tokenizer_cache_key``): a later run
 with the same source reuses the stored file instead of downloading it again.
 """
 
@@ -120,9 +120,9 @@ def fetch_local(source: str, workdir: str, *, attempts: int = 4, progress: bool 
     return source
 
 
-def tokenizer_cache_key(source: str, storage_root: str) -> str:
-    """The cache key of a stored tokenizer: its source and the storage it is stored in."""
-    identity = f"{source}|{storage_identity(storage_root)}"
+def tokenizer_cache_key(source: str, root: str) -> str:
+    """The cache key of a stored tokenizer: its source and the output root its runs share."""
+    identity = f"{source}|{storage_identity(root)}"
     return "tokenizer-" + hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 

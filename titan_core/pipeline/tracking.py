@@ -3,7 +3,7 @@ pipeline run and a nested run per stage.
 
 The params of the parent run and of its train stage run are the run's stored ``config.toml``
 (auto values resolved by preflight, secrets masked), logged once that config is final; tags carry
-the git commit, the Prefect flow-run id, the storage root, the world size and the device.
+the git commit, the Prefect flow-run id, the run root, the world size and the device.
 Everything goes through an explicit ``MlflowClient`` (no global active run), so tasks on any
 thread or process can log to the runs they are handed. MLflow is imported lazily: importing it
 takes seconds.
@@ -47,13 +47,14 @@ class TrackingContext:
 
 
 def resolve_tracking_uri(cfg: JobConfig) -> str:
-    """``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else a SQLite file in the (local) storage
-    root (./outputs for URL roots)."""
+    """``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else a SQLite file in the (local) output
+    root ``job.dump_folder`` (./outputs for URL roots). ``cfg`` is the user's config (its
+    dump_folder the root), not a run's (there it is the run's own folder)."""
     if cfg.tracking.uri:
         return cfg.tracking.uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    root = "./outputs" if storage.is_url(cfg.storage.root) else cfg.storage.root
+    root = "./outputs" if storage.is_url(cfg.job.dump_folder) else cfg.job.dump_folder
     return "sqlite:///" + os.path.join(absolute(root), "mlflow.db")
 
 
@@ -91,12 +92,13 @@ def client(uri: str) -> Any:
 
 def artifact_location(cfg: JobConfig, uri: str) -> str | None:
     """Where a new experiment keeps its artifacts: ``tracking.artifact_location``, else the
-    storage root's ``mlflow-artifacts/`` (None on a tracking server: the server decides)."""
+    output root's ``mlflow-artifacts/`` (None on a tracking server: the server decides); ``cfg``
+    is the user's config, as for ``resolve_tracking_uri``."""
     if cfg.tracking.artifact_location:
         return cfg.tracking.artifact_location
     if uri.startswith(("http://", "https://")):
         return None  # the server's --artifacts-destination decides
-    return storage.join(absolute(cfg.storage.root), "mlflow-artifacts", cfg.job.experiment)
+    return storage.join(absolute(cfg.job.dump_folder), "mlflow-artifacts", cfg.job.experiment)
 
 
 # MLflow 3's UI opens an experiment on its GenAI views (traces) unless the experiment says it is
