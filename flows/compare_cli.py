@@ -15,8 +15,44 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
+from typing import Annotated
 
-from titan_core.errors import ConfigError, TitanError
+from flows.cli import RENAMED_FLAGS
+from titan_core.config.command import Command, default, run
+from titan_core.errors import ConfigError
+
+
+@dataclass
+class Tracking:
+    """Where the runs are tracked."""
+
+    uri: Annotated[str, default("$MLFLOW_TRACKING_URI, else ./outputs")] = ""
+    """MLflow tracking URI"""
+
+
+@dataclass(kw_only=True)
+class CompareOptions:
+    """The options of ``titan compare``."""
+
+    experiment: str
+    """MLflow experiment (a run's job.experiment)"""
+    runs: Annotated[list[str], default("the newest --max-runs")] = field(default_factory=list)
+    """run ids or names"""
+    tracking: Tracking = field(default_factory=Tracking)
+    max_runs: int = 10
+    """newest runs compared when --runs is not given"""
+    log: bool = False
+    """record the comparison as an MLflow run (compare-*)"""
+    parent_run_id: Annotated[str, default("none")] = ""
+    """record it nested under this MLflow run (implies --log)"""
+    json: bool = False
+    """print the result as JSON"""
+
+
+COMMAND = Command(
+    "titan compare", CompareOptions, __doc__ or "", takes_config=False, renamed=RENAMED_FLAGS
+)
 
 
 def _preflight(experiment: str, tracking_uri: str) -> None:
@@ -33,52 +69,25 @@ def _preflight(experiment: str, tracking_uri: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``titan compare``: run the compare flow and print its table."""
-    from flows.cli import OneLineParser, add_renamed_flags
+    """``titan compare``: run the compare flow and print its table; user errors print one
+    ``error:`` line and return 2."""
+    return run(_compare, argv)
 
-    parser = OneLineParser(
-        prog="titan compare",
-        description="Compare MLflow runs of one experiment.",
-        allow_abbrev=False,
-    )
-    parser.add_argument("--experiment", required=True, help="MLflow experiment (job.experiment)")
-    parser.add_argument("--runs", nargs="+", default=[], help="run ids or names (default: newest)")
-    parser.add_argument(
-        "--tracking.uri",
-        dest="tracking_uri",
-        default="",
-        help="MLflow URI (default: $MLFLOW_TRACKING_URI, else ./outputs)",
-    )
-    add_renamed_flags(parser)  # --tracking-uri: one line naming --tracking.uri
-    parser.add_argument("--max-runs", type=int, default=10, help="newest runs when --runs absent")
-    parser.add_argument(
-        "--log", action="store_true", help="record the comparison as an MLflow run (compare-*)"
-    )
-    parser.add_argument(
-        "--parent-run-id", default="", help="record it nested under this MLflow run (implies --log)"
-    )
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    try:
-        ns = parser.parse_args(argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+
+def _compare(argv: list[str]) -> int:
+    ns = COMMAND.parse(argv).options
+    if ns.max_runs < 1:
+        raise ConfigError(f"--max-runs: expected an int >= 1, got {ns.max_runs}")
     from flows.cli import prepare_prefect_env
 
     prepare_prefect_env()
     from titan_core.pipeline.compare import default_tracking_uri
 
-    uri = ns.tracking_uri or default_tracking_uri()
-    try:
-        if ns.max_runs < 1:
-            raise ConfigError(f"compare.max_runs: expected an int >= 1, got {ns.max_runs}")
-        _preflight(ns.experiment, uri)
-        from flows.compare import compare
+    uri = ns.tracking.uri or default_tracking_uri()
+    _preflight(ns.experiment, uri)
+    from flows.compare import compare
 
-        result = compare(ns.experiment, ns.runs or None, uri, ns.max_runs, ns.log, ns.parent_run_id)
-    except TitanError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    result = compare(ns.experiment, ns.runs or None, uri, ns.max_runs, ns.log, ns.parent_run_id)
     if ns.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0

@@ -199,7 +199,7 @@ def test_documented_pipeline_runs_on_slurm_resolve(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`titan pipeline run` lines of the multi-node docs (pipeline.md's: test_pipeline_edges)."""
-    from flows.cli import build_parser, flow_kwargs
+    from flows.cli import PIPELINE_RUN, flow_kwargs
     from titan_core.config.resolve import resolve_job
 
     _setup(tmp_path, monkeypatch)
@@ -212,8 +212,7 @@ def test_documented_pipeline_runs_on_slurm_resolve(
     ]
     assert lines
     for line in lines:
-        ns, rest = build_parser().parse_known_args(shlex.split(line)[2:])
-        kwargs = flow_kwargs(ns, rest)
+        kwargs = flow_kwargs(PIPELINE_RUN.parse(shlex.split(line)[3:]).config)
         args = [kwargs[k] for k in ("recipe", "config_file", "overrides")]
         assert resolve_job(*args).launch.backend == "slurm", line
 

@@ -295,7 +295,7 @@ def _incomplete(run_dir: Path, tmp_path: Path) -> str:
         ("run", ["--max-batches", "2", "--evaluate.batches", "3"], "--max-batches: an alias of"),
         ("run", ["--hf-folder", "hf"], "--hf-folder: lm-eval runs only with evaluate.lm_eval"),
         ("run", ["--training.bogus", "1"], "unknown option --training.bogus"),
-        ("run", ["--max-batches"], "--max-batches: expected one argument"),
+        ("run", ["--max-batches"], "--max-batches: expected a value (an int)"),
         ("run", ["--validation.dataset", "SMALL"], "fewer than training.seq_len + 1 = 65 tokens"),
     ],
 )

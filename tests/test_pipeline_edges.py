@@ -85,7 +85,7 @@ def test_bad_input_fails_at_the_first_stage_that_needs_it(
     state, flow_run_id = run_flow(
         pretrain_pipeline,
         recipe="llama3_debugmodel_tiny",
-        overrides=overrides | {"storage.root": storage, "tracking.uri": tracking},
+        overrides=overrides | {"job.dump_folder": storage, "tracking.uri": tracking},
     )
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
@@ -141,8 +141,8 @@ def test_documented_pipeline_commands_resolve(
 ) -> None:
     import shlex
 
-    from flows.cli import build_parser, flow_kwargs
-    from flows.demo import DEMO_OVERRIDES, DEMO_RECIPE, build_demo_parser
+    from flows.cli import PIPELINE_RUN, flow_kwargs
+    from flows.demo import DEMO, DEMO_OVERRIDES, DEMO_RECIPE
     from titan_core.config.resolve import cli_values, resolve_job
 
     monkeypatch.chdir(tmp_path)
@@ -150,41 +150,45 @@ def test_documented_pipeline_commands_resolve(
     commands = _doc_commands("pipeline.md", "titan pipeline run")
     assert len(commands) >= 3
     for line in commands:
-        ns, rest = build_parser().parse_known_args(shlex.split(line)[2:])
-        kwargs = flow_kwargs(ns, rest)  # resolves the config: a bad key fails here
+        kwargs = flow_kwargs(PIPELINE_RUN.parse(shlex.split(line)[3:]).config)  # a bad key fails
         assert kwargs["recipe"] or kwargs["config_file"], line
     demos = _doc_commands("pipeline.md", "titan demo")
     assert demos
     for line in demos:
-        ns, rest = build_demo_parser().parse_known_args(shlex.split(line)[2:])
-        resolve_job(DEMO_RECIPE, "", cli_values([*DEMO_OVERRIDES, *rest]))
+        overrides = DEMO.parse(shlex.split(line)[2:]).config.overrides
+        resolve_job(DEMO_RECIPE, "", cli_values([*DEMO_OVERRIDES, *overrides]))
 
 
 def test_pipeline_cli_spells_settings_as_config_keys(capsys: pytest.CaptureFixture) -> None:
     """Settings are config keys, passed to the flow as typed dotted keys; the old flags and a
     bad key are one line, before Prefect starts."""
-    from flows.cli import build_parser, flow_kwargs
+    from flows.cli import PIPELINE_RUN, flow_kwargs
     from flows.cli import main as pipeline_main
     from flows.demo import main as demo_main
 
-    argv = ["run", "--config", "qwen3_debugmodel_tiny", "--storage.root", "s3://b/runs"]
+    argv = ["--config", "qwen3_debugmodel_tiny", "--job.dump_folder", "s3://b/runs"]
     argv += ["--tracking.uri", "http://mlflow:5000", "--evaluate.batches", "0"]
-    ns, rest = build_parser().parse_known_args(argv)
-    assert flow_kwargs(ns, rest) == {
+    assert flow_kwargs(PIPELINE_RUN.parse(argv).config) == {
         "recipe": "qwen3_debugmodel_tiny",
         "config_file": "",
         "overrides": {
-            "storage.root": "s3://b/runs",
+            "job.dump_folder": "s3://b/runs",
             "tracking.uri": "http://mlflow:5000",
             "evaluate.batches": 0,
         },
     }
-    ns, rest = build_parser().parse_known_args(["run", "--module", "llama3", "--config", "x"])
+    config = PIPELINE_RUN.parse(["--storage.root", "s3://b/runs"]).config
+    with pytest.raises(ConfigError) as err:
+        flow_kwargs(config)
+    assert str(err.value) == (
+        "unknown option --storage.root; it moved to --job.dump_folder (the one output root)"
+    )
+    config = PIPELINE_RUN.parse(["--module", "llama3", "--config", "x"]).config
     with pytest.raises(ConfigError, match=r"^recipe 'llama3/x': no such registry recipe"):
-        flow_kwargs(ns, rest)
+        flow_kwargs(config)
     cases = {
-        ("run", "--storage", "/tmp/x"): "--storage: now the config key --storage.root; use "
-        "--storage.root VALUE",
+        ("run", "--storage", "/tmp/x"): "--storage: now the config key --job.dump_folder; use "
+        "--job.dump_folder VALUE",
         ("run", "--tracking-uri=http://x"): "--tracking-uri: now the config key --tracking.uri; "
         "use --tracking.uri VALUE",
         ("run", "--eval-batches", "3"): "--eval-batches: now the config key --evaluate.batches; "
@@ -193,9 +197,9 @@ def test_pipeline_cli_spells_settings_as_config_keys(capsys: pytest.CaptureFixtu
     for args, expected in cases.items():  # refused while parsing: Prefect is not set up
         assert pipeline_main(list(args)) == 2
         assert capsys.readouterr().err == f"error: {expected}\n"
-    ns, rest = build_parser().parse_known_args(["run", "--evaluate.batches", "-1"])
+    config = PIPELINE_RUN.parse(["--evaluate.batches", "-1"]).config
     with pytest.raises(ConfigError) as err:
-        flow_kwargs(ns, rest)
+        flow_kwargs(config)
     assert str(err.value) == "evaluate.batches: expected an int >= 0 (0 = all), got -1"
     assert demo_main(["--storage", "/tmp/x"]) == 2
     assert capsys.readouterr().err == f"error: {cases[('run', '--storage', '/tmp/x')]}\n"
@@ -210,7 +214,8 @@ def test_titan_demo_runs_the_pipeline_with_embedded_prefect(tmp_path: Path, asse
     env = {k: v for k, v in os.environ.items() if not k.startswith(services)}
     env.update(OMP_NUM_THREADS="1", PREFECT_HOME=str(tmp_path / "prefect"))
     out = tmp_path / "out"
-    argv = [sys.executable, "-m", "flows.main", "demo", "--steps", "2", "--storage.root", str(out)]
+    argv = [sys.executable, "-m", "flows.main", "demo", "--steps", "2"]
+    argv += ["--job.dump_folder", str(out)]
     argv += ["--model.flavor", "debugmodel_tiny", "--launch.nproc_per_node", "1"]
     argv += [*tiny_overrides(steps=2, nproc=1), "--lr_scheduler.warmup_steps", "1"]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)

@@ -442,7 +442,8 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path, tok_path: str) -> None
         (["prepare", str(tmp_path / "nope")], "nope: source not found"),
         (["prepare", str(tmp_path / "a.jsonl"), "--tokenizer", tok_path],
          "rows have no field 'text' (fields: body, id)"),
-        (["prepare", str(tmp_path / "a.jsonl"), "--workers", "x"], "--workers: invalid int"),
+        (["prepare", str(tmp_path / "a.jsonl"), "--workers", "x"],
+         "--workers: expected an int, got 'x'"),
         (["info", str(tmp_path)], "no manifest"),
     ]:  # fmt: skip
         proc = _titan(*args, cwd=tmp_path)
@@ -457,13 +458,13 @@ def test_cli_config_arguments(tmp_path: Path, tok_path: str, tok: Tokenizer) -> 
     _jsonl(tmp_path / "a.jsonl", DOCS[:6], field="body")
     argv = ["prepare", "--data.sources", str(tmp_path / "a.jsonl"), "--data.text_field", "body",
             "--data.validation_every", "0", "--tokenizer.path", tok_path,
-            "--storage.root", str(tmp_path / "store")]  # fmt: skip
+            "--job.dump_folder", str(tmp_path / "store")]  # fmt: skip
     assert data_cli.main(argv) == 0
     (url,) = [str(p) for p in (tmp_path / "store" / "data").iterdir()]
     assert _split_docs(url, "train") == _encoded(tok, DOCS[:6])
-    assert data_cli.split_config_args(["a", "--out", "o", "--data.sources", "x", "y"]) == (
-        ["a", "--out", "o"], ["--data.sources", "x", "y"],
-    )  # fmt: skip
+    parsed = data_cli.PREPARE.parse(["a", "--out", "o", "b", "--data.sources", "x", "y"])
+    assert (parsed.options.sources, parsed.options.out) == (["a", "b"], "o")
+    assert parsed.config.overrides == ("--data.sources", "x", "y")  # config values stay theirs
 
 
 # --------------------------------------------------------------------------- S3

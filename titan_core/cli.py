@@ -11,10 +11,40 @@ import os
 import shlex
 import statistics
 import sys
+from dataclasses import dataclass
 
+from titan_core.config.command import Command
 from titan_core.config.job import Launch
 from titan_core.launch import Launcher, LaunchSpec, get_launcher
 from titan_core.launch.local import job_environment
+
+
+@dataclass
+class TrainOptions:
+    """The options of ``titan train`` (config arguments aside)."""
+
+    ngpu: int = 1
+    """processes on this host (torchrun when > 1)"""
+    log_rank: str = "0"
+    """ranks whose output is shown: 0,1 or all"""
+    dry_run: bool = False
+    """print the command, do not run it"""
+
+
+TRAIN = Command(
+    "titan train",
+    TrainOptions,
+    "Train in this process, or under torchrun on --ngpu local processes (the same command "
+    "builder as titan launch's local backend). A COMM_MODE config (--comm.mode) simulates the "
+    "--ngpu ranks in one process.",
+)
+
+
+def train_command(argv: list[str]) -> int:
+    """``titan train`` on ``argv``: its options, then ``train`` with the config arguments."""
+    parsed = TRAIN.parse(argv)
+    ns = parsed.options
+    return train(ns.ngpu, ns.log_rank, parsed.config.argv(), ns.dry_run)
 
 
 def train(ngpu: int, log_rank: str, rest: list[str], dry_run: bool = False) -> int:

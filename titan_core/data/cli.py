@@ -11,93 +11,98 @@ too), any fsspec URL (s3://bucket/prefix, credentials from the AWS_* environment
 Face dataset ``hf:NAME?name=CONFIG&split=SPLIT&revision=REV``. The dataset is written to
 ``<ROOT>/<fingerprint>``; its URL is the last line printed. Running it again is a cache hit;
 files added to a source since are tokenized and appended. Config arguments (``--module/--config``,
-``--data.*``, ``--tokenizer.path``, ``--storage.root``) fill in what the flags leave out.
+``--data.*``, ``--tokenizer.path``, ``--job.dump_folder``) fill in what the flags leave out.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-from typing import NoReturn
+from dataclasses import dataclass, field
+from typing import Annotated
 
-from titan_core.errors import ConfigError, TitanError
+import tyro
+
+from titan_core.config.command import Command, Parsed, default, dispatch, run
+from titan_core.errors import ConfigError
 
 DEFAULT_ROOT = "./outputs/data"
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one-line ConfigErrors instead of a usage dump + exit."""
+@dataclass(kw_only=True)
+class PrepareOptions:
+    """The options of ``titan data prepare`` (config arguments aside)."""
 
-    def error(self, message: str) -> NoReturn:
-        """Raise the message as a ConfigError (printed by ``main`` as one line)."""
-        raise ConfigError(f"{self.prog}: {message}")
-
-
-def _parsers() -> dict[str, _Parser]:
-    prep = _Parser(
-        prog="titan data prepare",
-        description="Tokenize sources into shards (a rerun is cached; new files are appended).",
-        epilog="Config arguments (--module/--config, --data.*, --tokenizer.path, --storage.root) "
-        "may follow and fill in what the flags leave out.",
-        allow_abbrev=False,
-    )
-    prep.add_argument("sources", nargs="*", metavar="SOURCE", help="files, folders, URLs, hf:…")
-    prep.add_argument("--out", help=f"data root (default {DEFAULT_ROOT}, or the config's)")
-    prep.add_argument("--text-field", help="row field holding the text (default: text)")
-    prep.add_argument("--tokenizer", help="tiktoken ranks file (default: the bundled one)")
-    prep.add_argument(
-        "--validation-every", type=int, help="hold out every Nth document (default 100; 0: none)"
-    )
-    prep.add_argument("--workers", type=int, help="local processes (default: every core)")
-    info = _Parser(
-        prog="titan data info", description="Summarise a prepared dataset.", allow_abbrev=False
-    )
-    info.add_argument("url", help="prepared dataset folder or URL")
-    verify = _Parser(
-        prog="titan data verify",
-        description="Check shard sizes (and sha256 with --checksum) against the manifest.",
-        allow_abbrev=False,
-    )
-    verify.add_argument("url", help="prepared dataset folder or URL")
-    verify.add_argument("--checksum", action="store_true", help="also compare sha256 (reads all)")
-    return {"prepare": prep, "info": info, "verify": verify}
+    sources: Annotated[
+        tyro.conf.Positional[list[str]],
+        tyro.conf.arg(metavar="SOURCE ...", help_behavior_hint="(default: data.sources)"),
+    ] = field(default_factory=list)
+    """files, folders, fsspec URLs, hf:NAME?... datasets"""
+    out: Annotated[str, default(f"the config's data root, else {DEFAULT_ROOT}")] = ""
+    """data root; the dataset goes to <ROOT>/<fingerprint>"""
+    text_field: Annotated[str, default("the config's data.text_field, else text")] = ""
+    """row field holding the text"""
+    tokenizer: Annotated[str, default("the config's tokenizer.path, else the bundled one")] = ""
+    """tiktoken ranks file"""
+    validation_every: Annotated[int, default("the config's data.validation_every, else 100")] = 100
+    """hold out every Nth document (0: none)"""
+    workers: Annotated[int, default("the config's data.workers, else 0: every core")] = 0
+    """local processes"""
 
 
-_PREPARE_FLAGS = ("--out", "--text-field", "--tokenizer", "--validation-every", "--workers")
+@dataclass(kw_only=True)
+class InfoOptions:
+    """The options of ``titan data info``."""
+
+    url: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="URL")]
+    """prepared dataset folder or URL"""
 
 
-def split_config_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(prepare's own arguments, config arguments): an option that is not one of prepare's
-    flags starts config arguments and keeps the values after it (``--data.sources a b``), so
-    SOURCEs go before config options."""
-    own: list[str] = []
-    config: list[str] = []
-    target = own
-    for token in argv:
-        if token.startswith("-") and not token[1:].isdigit():
-            known = token.partition("=")[0] in (*_PREPARE_FLAGS, "--help", "-h")
-            target = own if known else config
-        target.append(token)
-    return own, config
+@dataclass(kw_only=True)
+class VerifyOptions:
+    """The options of ``titan data verify``."""
+
+    url: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="URL")]
+    """prepared dataset folder or URL"""
+    checksum: bool = False
+    """also compare sha256 (reads every shard)"""
 
 
-def _prepare(ns: argparse.Namespace, config_argv: list[str]) -> int:
+PREPARE = Command(
+    "titan data prepare",
+    PrepareOptions,
+    "Tokenize sources into shards (a rerun is cached; new files are appended). SOURCEs go "
+    "before config arguments, which take the values after them (--data.sources A B). Config "
+    "arguments (--module/--config, --data.*, --tokenizer.path, --job.dump_folder) fill in what "
+    "the options leave out.",
+)
+INFO = Command("titan data info", InfoOptions, "Summarise a prepared dataset.", takes_config=False)
+VERIFY = Command(
+    "titan data verify",
+    VerifyOptions,
+    "Check shard sizes (and sha256 with --checksum) against the manifest.",
+    takes_config=False,
+)
+
+
+def _prepare(argv: list[str]) -> int:
     from titan_core.data.prepare import PrepareSpec, prepare
 
+    parsed: Parsed[PrepareOptions] = PREPARE.parse(argv)
+    ns, given = parsed.options, parsed.given
     base = {"sources": (), "root": DEFAULT_ROOT, "tokenizer_path": "", "text_field": "text"}
     validation_every, workers = 100, 0
-    if config_argv:
+    if parsed.config.given():
         from titan_core.config.manager import parse_args
 
-        cfg = parse_args(config_argv)
+        cfg = parse_args(parsed.config.argv())
         base = {
             "sources": tuple(cfg.data.sources),
-            "root": cfg.data.root or f"{cfg.storage.root.rstrip('/')}/data",
+            "root": cfg.data.root or f"{cfg.job.dump_folder.rstrip('/')}/data",
             "tokenizer_path": cfg.tokenizer.path,
             "text_field": cfg.data.text_field,
         }
         validation_every, workers = cfg.data.validation_every, cfg.data.workers
-    if ns.workers is not None and ns.workers < 0:
+    if ns.workers < 0:
         raise ConfigError(f"--workers: expected >= 0, got {ns.workers}")
     sources = tuple(ns.sources) or base["sources"]
     if not sources:
@@ -107,9 +112,9 @@ def _prepare(ns: argparse.Namespace, config_argv: list[str]) -> int:
         root=ns.out or base["root"],
         tokenizer_path=ns.tokenizer or base["tokenizer_path"] or _default_tokenizer(),
         text_field=ns.text_field or base["text_field"],
-        validation_every=validation_every if ns.validation_every is None else ns.validation_every,
+        validation_every=given.get("validation_every", validation_every),
     )
-    result = prepare(spec, workers=workers if ns.workers is None else ns.workers)
+    result = prepare(spec, workers=given.get("workers", workers))
     manifest = result.manifest
     total = sum(s.num_tokens for s in manifest.shards)
     if result.cached:
@@ -134,9 +139,11 @@ def _default_tokenizer() -> str:
     return str(default_tokenizer_path())
 
 
-def _info(ns: argparse.Namespace) -> int:
+def _info(argv: list[str]) -> int:
     from titan_core.data.shards import SPLITS, read_manifest
     from titan_core.data.sources import storage_errors
+
+    ns = INFO.parse(argv).options
 
     with storage_errors(ns.url):
         manifest = read_manifest(ns.url)
@@ -160,9 +167,11 @@ def _info(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _verify(ns: argparse.Namespace) -> int:
+def _verify(argv: list[str]) -> int:
     from titan_core.data.shards import read_manifest, verify_shards
     from titan_core.data.sources import storage_errors
+
+    ns = VERIFY.parse(argv).options
 
     with storage_errors(ns.url):
         manifest = read_manifest(ns.url)
@@ -172,28 +181,23 @@ def _verify(ns: argparse.Namespace) -> int:
     return 0
 
 
+COMMANDS = {
+    "prepare": ("tokenize sources into shards (a rerun is cached)", _prepare),
+    "info": ("summarise a prepared dataset", _info),
+    "verify": ("check shards against the manifest", _verify),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``titan data``; user errors print one ``error:`` line on stderr and return 2."""
+    return run(_data, argv)
+
+
+def _data(argv: list[str]) -> int:
     from titan_core.logging import init_logger
 
     init_logger()
-    try:
-        args = list(sys.argv[1:] if argv is None else argv)
-        parsers = _parsers()
-        if args[:1] in (["-h"], ["--help"]):
-            print(__doc__)
-            return 0
-        command, args = (args[0], args[1:]) if args else ("", [])
-        if command not in parsers:
-            raise ConfigError(f"titan data: expected prepare, info or verify, got {command!r}")
-        if command == "prepare":
-            own, config = split_config_args(args)
-            return _prepare(parsers[command].parse_intermixed_args(own), config)
-        ns = parsers[command].parse_args(args)
-        return _info(ns) if command == "info" else _verify(ns)
-    except TitanError as e:
-        print("error: " + str(e).replace("\n", " "), file=sys.stderr)
-        return 2
+    return dispatch("titan data", __doc__ or "", COMMANDS, argv)
 
 
 if __name__ == "__main__":

@@ -3,49 +3,39 @@
     titan estimate --ngpu 8 --module llama3 --config llama3_8b [--json] [--device-memory 80]
     python -m titan_core.estimate.cli --ngpu 1 --config-file job.toml --training.seq_len 512
 
-Config arguments (``--module/--config``, ``--config-file``, ``--section.field value``) resolve
-exactly as for ``titan train``.
+The config arguments resolve exactly as for ``titan train``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from typing import NoReturn
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
 
+from titan_core.config.command import Command, run
 from titan_core.config.manager import parse_args
-from titan_core.errors import ConfigError, TitanError
+from titan_core.errors import ConfigError
 from titan_core.estimate import Estimate, estimate, fits
 
 _GIB = 2**30
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises a one-line ConfigError instead of printing usage and exiting."""
+@dataclass
+class EstimateOptions:
+    """The options of ``titan estimate`` (config arguments aside)."""
 
-    def error(self, message: str) -> NoReturn:
-        """Raise ``message`` as a ConfigError (printed by ``main`` as one line)."""
-        raise ConfigError(message)
+    ngpu: int = 1
+    """world size to estimate for"""
+    json: bool = False
+    """print JSON instead of a table"""
+    device_memory: float = 0.0
+    """GiB per device: report whether the peak fits"""
 
 
-def _parser() -> _Parser:
-    parser = _Parser(
-        prog="titan estimate",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,  # --json must not swallow --job.* config overrides
-    )
-    parser.add_argument("--ngpu", type=int, default=1, help="world size to estimate for")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument(
-        "--device-memory", type=float, default=0.0, help="GiB per device: report whether it fits"
-    )
-    parser.add_argument("--config-file", default="", help="TOML file (same as --job.config_file)")
-    return parser
+COMMAND = Command("titan estimate", EstimateOptions, __doc__ or "")
 
 
 def _gib(n: int) -> str:
@@ -146,20 +136,15 @@ def print_report(est: Estimate, device_bytes: int = 0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the estimate as a table (or JSON); one ``error:`` line and 2 on bad input."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        if "-h" in argv or "--help" in argv:
-            _parser().print_help()
-            return 0
-        ns, rest = _parser().parse_known_args(argv)
-        if ns.device_memory < 0:
-            raise ConfigError(f"--device-memory: expected GiB >= 0, got {ns.device_memory}")
-        if ns.config_file:
-            rest = [*rest, "--job.config_file", ns.config_file]
-        est = estimate(parse_args(rest), ns.ngpu)
-    except TitanError as e:
-        print("error: " + str(e).replace("\n", " "), file=sys.stderr)
-        return 2
+    return run(_estimate, argv)
+
+
+def _estimate(argv: list[str]) -> int:
+    parsed = COMMAND.parse(argv)
+    ns = parsed.options
+    if ns.device_memory < 0:
+        raise ConfigError(f"--device-memory: expected GiB >= 0, got {ns.device_memory}")
+    est = estimate(parse_args(parsed.config.argv()), ns.ngpu)
     device_bytes = int(ns.device_memory * _GIB)
     if ns.json:
         out = est.to_dict()
