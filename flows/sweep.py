@@ -5,7 +5,9 @@ Every trial's config is resolved before the first starts (a bad key is one line,
 Trials run at most ``concurrency`` at a time: as ``pretrain_pipeline`` subflows of this process
 (each inside a ``trial`` task on a ``ThreadPoolTaskRunner``), or, with ``deployment``, as runs of
 that deployment on its work pool. A failed trial is reported in the comparison; the sweep fails
-only when every trial did. ``titan sweep`` (flows/sweep_cli.py) runs it from the command line.
+only when every trial did. With ``early_stop``, a monitor thread stops clearly worse trials
+(``titan_core.pipeline.sweep_monitor``). ``titan sweep`` (flows/sweep_cli.py) runs it from the
+command line.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from titan_core.config.form import ConfigForm, flow_values
 from titan_core.config.resolve import resolve_job
 from titan_core.errors import ConfigError, TitanError, first_line
 from titan_core.pipeline.common import run_logger
+from titan_core.pipeline.early_stop import EarlyStopping
 from titan_core.pipeline.sweep import SweepError, SweepPlan, Trial, TrialOutcome, plan_sweep
+from titan_core.pipeline.sweep_monitor import watching
 from titan_core.pipeline.sweep_report import SweepResult, format_table
 from titan_core.pipeline.tracking import end_pipeline_run
 
@@ -129,6 +133,7 @@ def sweep(
     metric: str = "eval/loss",
     deployment: str = "",
     config_file: str = "",
+    early_stop: EarlyStopping | None = None,
 ) -> SweepResult:
     """Train one recipe once per trial and compare the trials; the best one's model version
     gets the ``sweep-best`` alias.
@@ -149,6 +154,10 @@ def sweep(
         deployment: A pretrain_pipeline deployment to run each trial on its work pool
             (name or flow/name); empty runs the trials as subflows of this flow run.
         config_file: TOML job config applied onto the recipe for every trial.
+        early_stop: Early stopping (off by default): with enable, a running trial whose
+            training loss is worse than the median of the other trials' at the same step
+            (from min_steps on, once min_trials others reached it) is stopped at its next log
+            step; it still exports and evaluates what it trained, and is reported as stopped.
     """
     plan = plan_sweep(
         current_run_id(),
@@ -161,6 +170,7 @@ def sweep(
         seed=seed,
         concurrency=concurrency,
         metric=metric,
+        early_stop=early_stop,
     )
     target = deployment_name(deployment) if deployment else ""
     name_flow_run(
@@ -170,7 +180,8 @@ def sweep(
     base = resolve_job(recipe, config_file, dict(plan.base))
     tracking = start_sweep_tracking(base, plan)
     try:
-        outcomes = run_trials(plan, tracking.parent_run_id, target)
+        with watching(tracking, plan, plan.early_stop):
+            outcomes = run_trials(plan, tracking.parent_run_id, target)
         result = compare_trials(tracking, plan, outcomes)
     except BaseException:
         end_pipeline_run(tracking, "FAILED")

@@ -3,6 +3,7 @@
     titan sweep [--config RECIPE [--module FAMILY]] [--config-file F]
                 [--grid KEY=V1,V2 ...] [--random KEY=KIND:ARGS ... --trials N --seed S]
                 [--concurrency N] [--metric NAME] [--deployment NAME] [--section.field value ...]
+                [--early-stop [--early-stop-min-steps N] [--early-stop-min-trials N] ...]
 
 ``--grid optimizer.lr=1e-3,3e-3 --grid training.steps=20,40`` runs the 4 combinations;
 ``--random optimizer.lr=log_uniform:1e-4,1e-2 --trials 8 --seed 0`` draws 8 (KIND: log_uniform,
@@ -12,49 +13,74 @@ Prefect starts: a bad key or value is one ``error:`` line and nothing runs.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated, Any
 
-from flows.cli import OneLineParser, add_config_args, flow_kwargs, report_errors
+import tyro
+
+from flows.cli import RENAMED_FLAGS, flow_kwargs
+from titan_core.config.command import Command, Parsed, default, run
 from titan_core.errors import ConfigError
 
+NONE = default("none")
 
-def build_parser() -> OneLineParser:
-    """The ``titan sweep`` parser; unknown ``--section.field`` tokens are shared overrides."""
-    parser = OneLineParser(
-        prog="titan sweep",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
+
+@dataclass(kw_only=True)
+class SweepOptions:
+    """The options of ``titan sweep`` (config arguments aside: shared by every trial)."""
+
+    grid: Annotated[list[str], tyro.conf.arg(metavar="KEY=V1,V2"), NONE] = field(
+        default_factory=list
     )
-    add_config_args(parser)
-    parser.add_argument(
-        "--grid", action="append", default=[], metavar="KEY=V1,V2", help="grid values of a key"
+    """grid values of a key (several, or repeat --grid)"""
+    random: Annotated[list[str], tyro.conf.arg(metavar="KEY=KIND:ARGS"), NONE] = field(
+        default_factory=list
     )
-    parser.add_argument(
-        "--random",
-        action="append",
-        default=[],
-        metavar="KEY=KIND:ARGS",
-        help="random-search distribution of a key (log_uniform|uniform|int_uniform|choice)",
-    )
-    parser.add_argument("--trials", type=int, default=0, help="random draws (with --random)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random search")
-    parser.add_argument("--concurrency", type=int, default=2, help="trials at the same time")
-    parser.add_argument("--metric", default="eval/loss", help="picks the best trial (lowest)")
-    parser.add_argument(
-        "--deployment", default="", help="run trials as runs of this pretrain_pipeline deployment"
-    )
-    return parser
+    """random-search distribution of a key (KIND: log_uniform|uniform|int_uniform|choice)"""
+    trials: Annotated[int, default("4")] = 0
+    """random draws (with --random)"""
+    seed: int = 0
+    """seed of the random search"""
+    concurrency: int = 2
+    """trials at the same time"""
+    metric: str = "eval/loss"
+    """picks the best trial (lowest)"""
+    deployment: Annotated[str, default("none: trials run in this process")] = ""
+    """run trials as runs of this pretrain_pipeline deployment"""
+    early_stop: bool = False
+    """stop trials whose loss is worse than the others' median at a step (still evaluated)"""
+    early_stop_min_steps: int = 10
+    """no trial is stopped before this step"""
+    early_stop_min_trials: int = 3
+    """other trials that must have reached the step"""
+    early_stop_window: int = 3
+    """logged losses averaged per trial"""
+    early_stop_margin: float = 0.0
+    """stop only when worse than the median by this fraction"""
+
+
+COMMAND = Command("titan sweep", SweepOptions, __doc__ or "", renamed=RENAMED_FLAGS)
+EARLY_STOP_SETTINGS = ("min_steps", "min_trials", "window", "margin")
+
+
+def early_stop_arg(parsed: Parsed[SweepOptions]) -> dict[str, Any] | None:
+    """The ``early_stop`` parameter from ``--early-stop`` and the ``--early-stop-*`` settings
+    given (the others keep the flow's defaults)."""
+    keys = {n: f"early_stop_{n}" for n in EARLY_STOP_SETTINGS}
+    given = {n: parsed.given[key] for n, key in keys.items() if key in parsed.given}
+    if given and not parsed.options.early_stop:
+        flag = next(iter(given)).replace("_", "-")
+        raise ConfigError(f"--early-stop-{flag}: sets early stopping; give --early-stop too")
+    return {"enable": True, **given} if parsed.options.early_stop else None
 
 
 def sweep_kwargs(argv: list[str]) -> dict[str, Any]:
     """The ``sweep`` flow's arguments from ``argv``; every trial's config is resolved here."""
     from titan_core.pipeline.sweep import parse_grid_arg, parse_random_arg, plan_sweep
 
-    ns, rest = build_parser().parse_known_args(argv)
-    pipeline = flow_kwargs(ns, rest)
+    parsed = COMMAND.parse(argv)
+    ns, pipeline = parsed.options, flow_kwargs(parsed.config)
     grid = dict(parse_grid_arg(arg) for arg in ns.grid)
     random = dict(parse_random_arg(arg) for arg in ns.random)
     if ns.trials and not random:
@@ -68,6 +94,7 @@ def sweep_kwargs(argv: list[str]) -> dict[str, Any]:
         "concurrency": ns.concurrency,
         "metric": ns.metric,
         "deployment": ns.deployment,
+        "early_stop": early_stop_arg(parsed),
     }
     plan_args = {k: kwargs[k] for k in ("grid", "random", "trials", "seed", "concurrency")}
     plan_sweep(
@@ -76,6 +103,7 @@ def sweep_kwargs(argv: list[str]) -> dict[str, Any]:
         kwargs["config_file"],
         kwargs["overrides"],
         metric=ns.metric,
+        early_stop=kwargs["early_stop"],
         **plan_args,
     )
     return kwargs
@@ -103,7 +131,7 @@ def _run(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``titan sweep``; user errors print one ``error:`` line and return 2."""
-    return report_errors(_run, sys.argv[1:] if argv is None else list(argv))
+    return run(_run, argv)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pipeline_helpers import flow_run, run_flow, task_runs, tiny_overrides, tiny
 from flows.main import main as titan_main
 from titan_core.errors import ConfigError
 from titan_core.pipeline.sweep import BEST_ALIAS, expand, parse_grid_arg, parse_random_arg
+from titan_core.pipeline.sweep_report import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = TINY[-1]  # llama3_debugmodel_tiny
@@ -106,13 +107,18 @@ def test_bad_sweeps_are_one_line(kwargs: dict[str, Any], message: str) -> None:
         (["--grid", "training.steps=2,0"], "trial-2 steps=0: training.steps: expected"),
         (["--grid", "training.steps=2", "--concurrency", "0"], "sweep.concurrency: expected"),
         (["--grid", "training.steps=2", "--training.stepz", "3"], "training.stepz"),
+        (["--grid", "training.steps=2", "--early-stop-window", "2"], "give --early-stop too"),
+        (
+            ["--grid", "training.steps=2", "--early-stop", "--early-stop-min-trials", "0"],
+            "sweep.early_stop.min_trials: input should be greater than or equal to 1, got 0",
+        ),
     ],
 )
 def test_titan_sweep_bad_input_prints_one_line_and_runs_nothing(
     args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = tmp_path / "root"
-    argv = ["sweep", "--config", RECIPE, *args, "--storage.root", str(root)]
+    argv = ["sweep", "--config", RECIPE, *args, "--job.dump_folder", str(root)]
     assert titan_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
@@ -155,6 +161,81 @@ def test_best_trial_is_the_lowest_finished_metric() -> None:
     assert best_trial(rows[1:3]) is None
 
 
+def test_a_trial_stopped_early_is_best_only_when_none_completed() -> None:
+    from titan_core.pipeline.sweep_report import TrialRow, best_trial
+
+    stopped = TrialRow(1, "trial-1", "r1", "stopped", (), metric=1.0, stopped_at=4)
+    completed = TrialRow(2, "trial-2", "r2", "completed", (), metric=2.0)
+    failed = TrialRow(3, "trial-3", "r3", "failed", (), error="boom")
+    assert best_trial([stopped, completed, failed]) == completed
+    assert best_trial([stopped, failed]) == stopped
+    assert stopped.outcome == "stopped at step 4" and completed.outcome == "completed"
+
+
+# ------------------------------------------------------------------ the median stopping rule
+
+
+def _curve(*losses: float, every: int = 1) -> list[tuple[int, float]]:
+    """Losses logged at steps every, 2*every, ..."""
+    return [(every * (i + 1), loss) for i, loss in enumerate(losses)]
+
+
+def _rule(**settings: Any) -> Any:
+    from titan_core.pipeline.early_stop import EarlyStopping
+
+    return EarlyStopping(
+        **{"enable": True, "min_steps": 2, "min_trials": 2, "window": 1} | settings
+    )
+
+
+def test_median_rule_stops_a_trial_worse_than_the_median_at_its_step() -> None:
+    from titan_core.pipeline.early_stop import median_stop
+
+    others = [_curve(5, 4, 3), _curve(5, 4.5, 3.5), _curve(5, 6, 7)]  # median at step 3: 3.5
+    decision = median_stop(_curve(5, 5, 4), others, _rule())
+    assert decision is not None
+    assert (decision.step, decision.loss, decision.median, decision.num_trials) == (3, 4, 3.5, 3)
+    assert decision.reason() == (
+        "training loss 4.0000 at step 3 is worse than the median 3.5000 of 3 other trials"
+    )
+    assert median_stop(_curve(5, 5, 3.2), others, _rule()) is None  # better than the median
+    assert median_stop(_curve(5, 5, 3.5), others, _rule()) is None  # a tie is never stopped
+    # A relative margin: 4 is within 20% of 3.5, not within 10%.
+    assert median_stop(_curve(5, 5, 4), others, _rule(margin=0.2)) is None
+    assert median_stop(_curve(5, 5, 4), others, _rule(margin=0.1)) is not None
+
+
+def test_median_rule_waits_for_the_grace_period_and_enough_trials() -> None:
+    from titan_core.pipeline.early_stop import median_stop
+
+    bad = _curve(9, 9, 9)
+    assert median_stop(bad, [_curve(1, 1, 1)] * 2, _rule(min_steps=4)) is None  # grace
+    assert median_stop(bad, [_curve(1, 1, 1)] * 2, _rule(min_steps=3)) is not None
+    # Only trials that reached the step count: one of two is still at step 2.
+    assert median_stop(bad, [_curve(1, 1, 1), _curve(1, 1)], _rule()) is None
+    assert median_stop(bad, [_curve(1, 1, 1), _curve(1, 1, 1, 1)], _rule()) is not None
+    assert median_stop(bad, [_curve(1, 1, 1)] * 2, _rule(min_trials=3)) is None
+    assert median_stop([], [_curve(1, 1, 1)] * 2, _rule()) is None
+
+
+def test_median_rule_smooths_losses_and_treats_divergence_as_worst() -> None:
+    from titan_core.pipeline.early_stop import median_stop, smoothed
+
+    noisy = _curve(4, 2, 4, every=10)  # one lucky log step
+    assert smoothed(noisy, 30, 3) == pytest.approx(10 / 3) and smoothed(noisy, 20, 3) == 3
+    assert smoothed(noisy, 25, 1) == 2 and smoothed(noisy, 40, 1) is None
+    others = [_curve(3, 3, 3, every=10)] * 2
+    # One bad log step: stopped on its last value alone (3.5 > 3), not on its mean (2.83 < 3).
+    bumpy = _curve(3, 2, 3.5, every=10)
+    assert median_stop(bumpy, others, _rule(window=1)) is not None
+    assert median_stop(bumpy, others, _rule(window=3)) is None
+    nan = float("nan")
+    decision = median_stop(_curve(5, nan, nan), [_curve(3, 3, 3)] * 2, _rule())
+    assert decision is not None and decision.loss == float("inf")
+    # Peers that diverged count as the worst, not as a median of NaN.
+    assert median_stop(_curve(5, 5, 9), [_curve(5, 5, nan)] * 3, _rule()) is None
+
+
 # ------------------------------------------------------------------ a real sweep
 
 # 2 x 2 grid of batch size and sequence length under a 18 MiB per-device budget: the estimated
@@ -173,7 +254,7 @@ def swept(prefect_harness: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     root = tmp_path_factory.mktemp("sweep")
     uri = f"sqlite:///{root / 'mlflow.db'}"
     overrides = tiny_values(steps=2, nproc=1) | {
-        "storage.root": str(root / "runs"),
+        "job.dump_folder": str(root / "runs"),
         "tracking.uri": uri,
         "job.experiment": EXPERIMENT,
         "evaluate.batches": 2,
@@ -312,7 +393,7 @@ def test_titan_sweep_runs_a_random_search_and_prints_the_table(
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     argv = ["sweep", "--config", RECIPE, "--random", "optimizer.lr=log_uniform:1e-4,1e-2"]
     argv += ["--trials", "2", "--seed", "3", *tiny_overrides(steps=2, nproc=1)]
-    argv += ["--storage.root", str(tmp_path / "runs"), "--tracking.uri", uri]
+    argv += ["--job.dump_folder", str(tmp_path / "runs"), "--tracking.uri", uri]
     argv += ["--evaluate.batches", "1", "--job.experiment", "cli-sweep"]
     assert titan_main(argv) == 0
     out = capsys.readouterr().out
@@ -334,7 +415,7 @@ def test_a_missing_deployment_is_one_line_before_anything_runs(
     from flows.sweep import sweep
 
     overrides = {
-        "storage.root": str(tmp_path / "runs"),
+        "job.dump_folder": str(tmp_path / "runs"),
         "tracking.uri": f"sqlite:///{tmp_path}/m.db",
     }
     state, _ = run_flow(
@@ -350,3 +431,52 @@ def test_a_missing_deployment_is_one_line_before_anything_runs(
     expected = "no deployment 'pretrain_pipeline/no-such-deployment' on the Prefect server"
     assert str(error) == f"sweep.deployment: {expected}"
     assert not (tmp_path / "runs").exists() and not (tmp_path / "m.db").exists()
+
+
+@pytest.mark.multiprocess
+def test_early_stopping_stops_the_clearly_worse_trial(
+    prefect_harness: Path, tmp_path: Path
+) -> None:
+    """Two trials one after the other: the second (a learning rate too small to learn) is
+    judged against the first at every log step from step 5 on and stopped before its end; it
+    still exports and evaluates what it trained, and the first one is the best."""
+    from mlflow import MlflowClient
+
+    from flows.sweep import sweep
+    from titan_core.checkpoint.manager import complete_steps
+    from titan_core.pipeline.early_stop import STOPPED_TAG
+
+    steps = 300  # long enough for the monitor (polls every 0.2 s) to catch the bad trial
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    overrides = tiny_values(steps=steps, nproc=1, interval=steps) | {
+        "job.dump_folder": str(tmp_path / "runs"),
+        "tracking.uri": uri,
+        "job.experiment": "early-stop",
+        "evaluate.batches": 1,
+        "metrics.log_freq": 5,  # fewer MLflow batches: its live curve lags training less
+    }
+    rule = {"enable": True, "min_steps": 5, "min_trials": 1, "window": 2, "poll_seconds": 0.2}
+    state, _ = run_flow(
+        sweep,
+        recipe=RECIPE,
+        overrides=overrides,
+        grid={"optimizer.lr": [1e-2, 1e-7]},
+        concurrency=1,
+        early_stop=rule,
+    )
+    assert state.is_completed(), state.message
+    result = state.result()
+    good, bad = result.trials
+    assert (good.status, good.steps, good.stopped_at) == ("completed", steps, None)
+    assert bad.status == "stopped" and 5 <= bad.stopped_at < steps, bad
+    assert bad.steps == bad.stopped_at and bad.metric is not None and bad.model_version
+    assert result.best == good and result.stopped == (bad,) and not result.failed
+    assert f"stopped at step {bad.stopped_at}" in format_table(result)
+    # Its MLflow run says when and why; its run root holds the request and the final checkpoint.
+    run = MlflowClient(uri).get_run(bad.mlflow_run_id)
+    assert run.data.tags[STOPPED_TAG] == str(bad.stopped_at)
+    assert "worse than the median" in run.data.tags["sweep.stop_reason"]
+    run_root = Path(run.data.tags["storage_root"])
+    assert (run_root / "stop-requested").read_text().startswith("training loss ")
+    assert complete_steps(str(run_root / "checkpoint"))[-1] == bad.stopped_at
+    assert "stop_reason" not in MlflowClient(uri).get_run(good.mlflow_run_id).data.tags

@@ -431,3 +431,54 @@ def test_bf16_autocast_and_extra_sink(tmp_path: Path, assets: Path) -> None:
     assert [s for s, _ in sink.rows] == [1, 2, 3] and sink.closed
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
     assert history[0]["loss"] == pytest.approx(7.7, abs=0.6)  # ~ln(2304): bf16 is still sane
+
+
+def test_stop_request_ends_training_at_the_next_log_step(tmp_path: Path, assets: Path) -> None:
+    from titan_core.stop_request import request_stop
+    from titan_core.trainer import Trainer
+
+    class StopAt:
+        """A sink that asks the job to stop once it has logged ``step``."""
+
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def log(self, step: int, metrics: dict[str, float]) -> None:
+            if step == self.step:
+                request_stop(str(tmp_path), "test")
+
+        def close(self) -> None:
+            pass
+
+    # Asked at step 4's log; the trainer looks at log steps (every 2): it ends at step 6 of 12.
+    cfg = parse_args(_args(tmp_path, "--metrics.log_freq", "2", "--checkpoint.interval", "5"))
+    trainer = Trainer(cfg, extra_sinks=[StopAt(4)])
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    assert [int(h["step"]) for h in history] == [1, 2, 4, 6]
+    assert complete_steps(str(tmp_path / "checkpoint")) == [5, 6]  # 6: the final save
+    assert (tmp_path / "stop-requested").read_text() == "test\n"
+
+
+@pytest.mark.multiprocess
+def test_stop_request_stops_every_rank_of_a_torchrun_job(tmp_path: Path, assets: Path) -> None:
+    from titan_core.stop_request import request_stop
+
+    dump = tmp_path / "dp"
+    request_stop(str(dump))  # before the start: rank 0 sees it at the first log step (1)
+    argv = ["-m", "flows.main", "train", "--ngpu", "2", *_args(dump, "--metrics.log_freq", "3")]
+    proc = subprocess.run(
+        [sys.executable, *argv],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stopped early at step 1 (stop requested)" in proc.stdout
+    # Rank 1 got rank 0's answer: both left the loop and wrote the final checkpoint together.
+    assert complete_steps(str(dump / "checkpoint")) == [1]
+    logged = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1]

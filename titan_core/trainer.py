@@ -48,6 +48,7 @@ from titan_core.distributed.context_parallel import context_parallel_context, mo
 from titan_core.distributed.pipeline_parallel import ModelPartsView
 from titan_core.logging import init_logger, logger
 from titan_core.models import describe_model, get_model_spec
+from titan_core.stop_request import stop_requested
 
 
 class Trainer:
@@ -326,6 +327,15 @@ class Trainer:
                 loss *= self.parallel_dims.pp
         return loss.item()
 
+    def _stop_requested(self) -> bool:
+        """Whether someone asked this job to stop (``titan_core.stop_request``): rank 0 reads
+        the marker and broadcasts the answer, so every rank stops at the same step."""
+        asked = self.dist.is_rank0 and stop_requested(self.cfg.job.dump_folder)
+        flag = torch.tensor(int(asked), device=self.device)
+        if self.dist.world_size > 1:
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
     def _restore(self) -> int:
         step = self.train_state.step = self.checkpointer.load()
         if self.lr_scheduler.last_epoch != step:  # a model-only checkpoint has no schedule
@@ -419,6 +429,9 @@ class Trainer:
                         tokens_per_step / self.parallel_dims.non_data_parallel_size
                     )
                     last = step == t.steps
+                    # A requested stop makes this the final step: logged, validated and saved.
+                    stop = not last and self.metrics.should_log(step) and self._stop_requested()
+                    last = last or stop
                     # MoE: loss-free bias update from the batch-wide expert counts (every
                     # step, when on) and the load metrics (on log steps).
                     moe = self.moe_stats.end_step(self.metrics.should_log(step) or last)
@@ -430,6 +443,9 @@ class Trainer:
                         profiler.step()
                     if mem_profiler:
                         mem_profiler.step(step)
+                    if stop:
+                        logger.info("stopped early at step %d (stop requested)", step)
+                        break
         finally:
             gc.enable()
             if mem_profiler:

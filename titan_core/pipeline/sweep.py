@@ -11,15 +11,16 @@ import itertools
 import math
 import random as random_module
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from titan_core.errors import ConfigError, TitanError
+from titan_core.pipeline.early_stop import EarlyStopping, early_stopping
 
 # Keys a sweep cannot vary: every trial must land in the same experiment, tracking store and
 # registered model for the trials to nest under one MLflow run and be compared.
 FIXED_KEYS = ("job.experiment", "tracking.uri", "tracking.enable", "tracking.registered_model")
-FIXED_KEYS += ("storage.root",)
+FIXED_KEYS += ("job.dump_folder",)
 RANDOM_KINDS = ("log_uniform", "uniform", "int_uniform", "choice")
 BEST_ALIAS = "sweep-best"  # the registered-model alias of a sweep's best trial
 SIGNIFICANT = 4  # digits kept of a drawn float: readable names, no false precision
@@ -220,7 +221,7 @@ class TrialOutcome:
 
     index: int
     run_id: str
-    status: str  # "completed" or "failed"
+    status: str  # "completed" or "failed" (a trial stopped early completes its pipeline)
     error: str = ""
 
 
@@ -238,6 +239,7 @@ class SweepPlan:
     model_name: str
     metric: str
     concurrency: int
+    early_stop: EarlyStopping = field(default_factory=EarlyStopping)
 
     def overrides(self, trial: Trial) -> dict[str, Any]:
         """The trial's overrides: the base's, the sweep's registered model, the swept values."""
@@ -255,6 +257,9 @@ class SweepPlan:
         """The sweep as MLflow params of its parent run."""
         params = {"sweep.recipe": self.recipe, "sweep.trials": str(len(self.trials))}
         params |= {"sweep.metric": self.metric, "sweep.concurrency": str(self.concurrency)}
+        if self.early_stop.enable:
+            rule = self.early_stop.model_dump(exclude={"enable"})
+            params["sweep.early_stop"] = " ".join(f"{k}={v}" for k, v in rule.items())
         if self.config_file:
             params["sweep.config_file"] = self.config_file
         for key in self.keys:
@@ -276,15 +281,18 @@ def plan_sweep(
     seed: int = 0,
     concurrency: int = 2,
     metric: str = "eval/loss",
+    early_stop: Any = None,
 ) -> SweepPlan:
     """Expand the sweep and resolve every trial's config: a bad key, value or combination is a
-    one-line ``ConfigError`` (naming the trial) before anything runs."""
+    one-line ``ConfigError`` (naming the trial) before anything runs. ``early_stop``: None, a
+    mapping or ``EarlyStopping`` (the median stopping rule; off by default)."""
     from titan_core.config.resolve import resolve_job
 
     if concurrency < 1:
         raise ConfigError(f"sweep.concurrency: expected an int >= 1, got {concurrency!r}")
     if not metric:
         raise ConfigError("sweep.metric: expected a metric name such as eval/loss")
+    rule = early_stopping(early_stop)
     expanded = expand(grid, random, trials, seed)
     cfg = resolve_job(recipe, config_file, dict(base))
     if not cfg.tracking.enable:
@@ -303,6 +311,7 @@ def plan_sweep(
         model_name=f"{cfg.tracking.registered_model or cfg.job.experiment}-sweep",
         metric=metric,
         concurrency=concurrency,
+        early_stop=rule,
     )
     for trial in plan.trials:
         try:

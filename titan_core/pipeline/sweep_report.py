@@ -22,7 +22,7 @@ class TrialRow:
     index: int
     name: str
     run_id: str
-    status: str  # "completed" or "failed"
+    status: str  # "completed", "stopped" (early, by the sweep) or "failed"
     values: tuple[tuple[str, Any], ...]
     final_loss: float | None = None
     metric: float | None = None
@@ -30,6 +30,12 @@ class TrialRow:
     mlflow_run_id: str = ""
     model_version: str = ""
     error: str = ""
+    stopped_at: int | None = None  # the step a trial stopped early trained to
+
+    @property
+    def outcome(self) -> str:
+        """The status as people read it: ``stopped at step 40`` for a trial stopped early."""
+        return f"stopped at step {self.stopped_at}" if self.status == "stopped" else self.status
 
     def as_dict(self, metric_name: str) -> dict[str, Any]:
         """A flat, JSON-able row: the swept keys as columns, the metric under its own name."""
@@ -41,6 +47,7 @@ class TrialRow:
             "final_train_loss": self.final_loss,
             metric_name: self.metric,
             "steps": self.steps,
+            "stopped_at": self.stopped_at,
             "run_id": self.run_id,
             "mlflow_run_id": self.mlflow_run_id,
             "model_version": self.model_version,
@@ -66,15 +73,33 @@ class SweepResult:
 
     @property
     def failed(self) -> tuple[TrialRow, ...]:
-        """The trials that did not finish."""
-        return tuple(t for t in self.trials if t.status != "completed")
+        """The trials that failed."""
+        return tuple(t for t in self.trials if t.status == "failed")
+
+    @property
+    def stopped(self) -> tuple[TrialRow, ...]:
+        """The trials stopped early (they trained fewer steps, then exported and evaluated)."""
+        return tuple(t for t in self.trials if t.status == "stopped")
 
 
 def best_trial(rows: Sequence[TrialRow]) -> TrialRow | None:
-    """The completed trial with the lowest finite metric (the first one on a tie), or None."""
-    scored = [r for r in rows if r.status == "completed" and r.metric is not None]
-    scored = [r for r in scored if math.isfinite(r.metric or math.nan)]
-    return min(scored, key=lambda r: r.metric or 0.0) if scored else None
+    """The completed trial with the lowest finite metric (the first one on a tie); a trial
+    stopped early only when no trial completed with one; else None."""
+    for status in ("completed", "stopped"):
+        scored = [r for r in rows if r.status == status and r.metric is not None]
+        scored = [r for r in scored if math.isfinite(r.metric or math.nan)]
+        if scored:
+            return min(scored, key=lambda r: r.metric or 0.0)
+    return None
+
+
+def counts(rows: Sequence[TrialRow]) -> str:
+    """``3 of 4 trials completed``, plus ``, 1 stopped early`` when some were."""
+    done = sum(r.status == "completed" for r in rows)
+    stopped = sum(r.status == "stopped" for r in rows)
+    return f"{done} of {len(rows)} trials completed" + (
+        f", {stopped} stopped early" if stopped else ""
+    )
 
 
 def plot_metric_by_key(rows: Sequence[TrialRow], key: str, metric: str, path: str) -> str:
@@ -130,14 +155,13 @@ def render_markdown(
 ) -> str:
     """The comparison for people: one row per trial (swept keys, losses, status, error), the best
     trial, then the given markdown images (loss curves, one chart per key)."""
-    done = sum(r.status == "completed" for r in rows)
-    lines = [f"# Sweep `{sweep_id}`: {done} of {len(rows)} trials completed", ""]
+    lines = [f"# Sweep `{sweep_id}`: {counts(rows)}", ""]
     head = ["trial", "status", *keys, "final train loss", metric, "steps", "model version"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         mark = " ★" if best is not None and r.index == best.index else ""
         values = dict(r.values)
-        cells = [f"{r.name}{mark}", r.status, *(format_value(values[k]) for k in keys)]
+        cells = [f"{r.name}{mark}", r.outcome, *(format_value(values[k]) for k in keys)]
         cells += [_cell(r.final_loss), _cell(r.metric), _cell(r.steps), _cell(r.model_version)]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
@@ -145,7 +169,7 @@ def render_markdown(
         lines.append(f"Best by lowest `{metric}`: **{best.name}** ({best.metric:.4f}).")
     else:
         lines.append(f"No completed trial logged `{metric}`.")
-    failed = [r for r in rows if r.status != "completed"]
+    failed = [r for r in rows if r.status == "failed"]
     if failed:
         lines += ["", "## Failed trials", ""]
         lines += [f"- {r.name}: {r.error or 'failed'}" for r in failed]
@@ -164,14 +188,11 @@ def format_table(result: SweepResult) -> str:
         cells += [f"{v:.4f}" if v is not None else "-" for v in (row.final_loss, row.metric)]
         best = result.best is not None and row.index == result.best.index
         cells.append(
-            row.status + (" (best)" if best else "") + (f": {row.error}" if row.error else "")
+            row.outcome + (" (best)" if best else "") + (f": {row.error}" if row.error else "")
         )
         body.append(cells)
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head) - 1)]
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in [head, *body]
     ]
-    done = len(result.trials) - len(result.failed)
-    return "\n".join(
-        [f"sweep {result.sweep_id}: {done} of {len(result.trials)} trials completed", *lines]
-    )
+    return "\n".join([f"sweep {result.sweep_id}: {counts(result.trials)}", *lines])

@@ -18,7 +18,14 @@ from typing import Any
 
 from titan_core.config.job import JobConfig
 from titan_core.pipeline.common import redact
-from titan_core.pipeline.compare import PLOT_NAME, RunSummary, plot_loss_curves, summarize_run
+from titan_core.pipeline.compare import (
+    LOSS_KEY,
+    PLOT_NAME,
+    RunSummary,
+    plot_loss_curves,
+    summarize_run,
+)
+from titan_core.pipeline.early_stop import STOPPED_TAG
 from titan_core.pipeline.report import markdown_image, mlflow_image
 from titan_core.pipeline.sweep import BEST_ALIAS, SweepPlan, TrialOutcome
 from titan_core.pipeline.sweep_report import (
@@ -29,6 +36,7 @@ from titan_core.pipeline.sweep_report import (
     render_markdown,
 )
 from titan_core.pipeline.tracking import (
+    PARENT_STAGE,
     STAGE_TAG,
     TrackingContext,
     artifact_location,
@@ -67,6 +75,66 @@ def find_trial_run(mlflow_client: Any, tracking: TrackingContext, run_id: str) -
     return runs[0] if runs else None
 
 
+@dataclasses.dataclass
+class TrialProgress:
+    """A trial's pipeline run as the sweep's monitor sees it while trials run."""
+
+    index: int
+    mlflow_run_id: str  # the trial's pipeline run
+    run_root: str  # where its training writes (``job.dump_folder``)
+    status: str  # the pipeline run's MLflow status: RUNNING, FINISHED, FAILED, ...
+    train_run_id: str = ""  # its train stage run, once it has one
+    curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+
+
+def trial_progress(
+    tracking: TrackingContext, plan: SweepPlan, known: dict[int, TrialProgress]
+) -> dict[int, TrialProgress]:
+    """Every trial with a pipeline run so far, its training-loss curve read live from its train
+    stage run. ``known`` (the previous answer) spares reading runs that have ended."""
+    mlflow_client = client(tracking.uri)
+    index_of = {plan.run_id(t): t.index for t in plan.trials}
+    runs = mlflow_client.search_runs(
+        [tracking.experiment_id],
+        filter_string=(
+            f"tags.mlflow.parentRunId = '{tracking.parent_run_id}' "
+            f"and tags.`{STAGE_TAG}` = '{PARENT_STAGE}'"
+        ),
+    )
+    progress = {}
+    for run in runs:
+        index = index_of.get(run.data.tags.get("titan.run_id", ""))
+        if index is None:
+            continue
+        seen = known.get(index)
+        if seen is not None and seen.status != "RUNNING":
+            progress[index] = seen  # ended when last read: its curve is final
+            continue
+        trial = TrialProgress(
+            index, run.info.run_id, run.data.tags.get("storage_root", ""), run.info.status
+        )
+        trial.train_run_id = (seen.train_run_id if seen else "") or _train_run(
+            mlflow_client, tracking, run.info.run_id
+        )
+        if trial.train_run_id:
+            history = mlflow_client.get_metric_history(trial.train_run_id, LOSS_KEY)
+            trial.curve = sorted((m.step, m.value) for m in history)
+        progress[index] = trial
+    return progress
+
+
+def _train_run(mlflow_client: Any, tracking: TrackingContext, pipeline_run_id: str) -> str:
+    """The id of a pipeline run's train stage run, or "" before it has one."""
+    runs = mlflow_client.search_runs(
+        [tracking.experiment_id],
+        filter_string=(
+            f"tags.mlflow.parentRunId = '{pipeline_run_id}' and tags.`{STAGE_TAG}` = 'train'"
+        ),
+        max_results=1,
+    )
+    return runs[0].info.run_id if runs else ""
+
+
 def model_version(mlflow_client: Any, model_name: str, mlflow_run_id: str) -> str:
     """The version of ``model_name`` registered from ``mlflow_run_id``, or ""."""
     found = mlflow_client.search_model_versions(
@@ -94,8 +162,11 @@ def trial_rows(
             summary = dataclasses.replace(summarize_run(mlflow_client, run), name=name)
             summaries.append(summary)
             metric = run.data.metrics.get(plan.metric)
+            stopped_at = run.data.tags.get(STOPPED_TAG)
             row = dataclasses.replace(
                 row,
+                status="stopped" if stopped_at and outcome.status == "completed" else row.status,
+                stopped_at=int(stopped_at) if stopped_at else None,
                 final_loss=summary.final_loss,
                 steps=summary.steps,
                 metric=metric if outcome.status == "completed" else None,
