@@ -16,7 +16,13 @@ from pipeline_helpers import flow_run, run_flow, task_runs, tiny_overrides, tiny
 
 from flows.main import main as titan_main
 from titan_core.errors import ConfigError
-from titan_core.pipeline.sweep import BEST_ALIAS, expand, parse_grid_arg, parse_random_arg
+from titan_core.pipeline.sweep import (
+    BEST_ALIAS,
+    expand,
+    parse_grid_arg,
+    parse_random_arg,
+    plan_sweep,
+)
 from titan_core.pipeline.sweep_report import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +63,26 @@ def test_random_search_is_seeded_and_within_its_space() -> None:
     # A grid and a random space: every cell with every draw.
     mixed = expand({"training.steps": [2, 3]}, {"optimizer.lr": {"uniform": [0.1, 0.2]}}, 3, 0)
     assert len(mixed) == 6 and {t.overrides["training.steps"] for t in mixed} == {2, 3}
+
+
+def test_trials_are_pinned_to_the_sweeps_root_and_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trial (a subflow, or a run on a work pool whose worker has another working directory)
+    writes under the sweep's absolute root and records in its store; a server URI, which may
+    carry credentials, is not copied into the trials' parameters."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    plan = plan_sweep("s1", RECIPE, "", {"job.dump_folder": "runs"}, grid={"optimizer.lr": [1, 2]})
+    root = str(tmp_path / "runs")
+    first = plan.overrides(plan.trials[0])
+    assert first["job.dump_folder"] == root
+    assert first["tracking.uri"] == f"sqlite:///{root}/mlflow.db"
+    assert first["optimizer.lr"] == 1 and first["tracking.registered_model"] == plan.model_name
+    assert plan.run_root(plan.trials[1]) == f"{root}/{plan.experiment}/s1-t2"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://user:pw@mlflow.example")
+    served = plan_sweep("s2", RECIPE, "", {}, grid={"optimizer.lr": [1]})
+    assert "tracking.uri" not in served.overrides(served.trials[0])
 
 
 def test_cli_values_are_parsed_in_the_fields_types() -> None:

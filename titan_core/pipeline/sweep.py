@@ -14,13 +14,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_core import storage
 from titan_core.errors import ConfigError, TitanError
 from titan_core.pipeline.early_stop import EarlyStopping, early_stopping
+from titan_core.pipeline.storage import absolute
+from titan_core.pipeline.tracking import resolve_tracking_uri
 
 # Keys a sweep cannot vary: every trial must land in the same experiment, tracking store and
 # registered model for the trials to nest under one MLflow run and be compared.
-FIXED_KEYS = ("job.experiment", "tracking.uri", "tracking.enable", "tracking.registered_model")
-FIXED_KEYS += ("job.dump_folder",)
+FIXED_KEYS = ("job.experiment", "job.dump_folder", "tracking.uri", "tracking.enable")
+FIXED_KEYS += ("tracking.registered_model",)
 RANDOM_KINDS = ("log_uniform", "uniform", "int_uniform", "choice")
 BEST_ALIAS = "sweep-best"  # the registered-model alias of a sweep's best trial
 SIGNIFICANT = 4  # digits kept of a drawn float: readable names, no false precision
@@ -239,11 +242,19 @@ class SweepPlan:
     model_name: str
     metric: str
     concurrency: int
+    root: str  # the output root every trial writes under, absolute (job.dump_folder)
+    pinned: tuple[tuple[str, Any], ...]  # where trials record: the same for every trial
     early_stop: EarlyStopping = field(default_factory=EarlyStopping)
 
     def overrides(self, trial: Trial) -> dict[str, Any]:
-        """The trial's overrides: the base's, the sweep's registered model, the swept values."""
-        return {**dict(self.base), "tracking.registered_model": self.model_name, **trial.overrides}
+        """The trial's overrides: the base's, the sweep's pinned root, tracking store and
+        registered model (a trial on a work pool resolves nothing relative to its worker), the
+        swept values."""
+        return {**dict(self.base), **dict(self.pinned), **trial.overrides}
+
+    def run_root(self, trial: Trial) -> str:
+        """Where the trial's run writes: ``<root>/<experiment>/<run id>``."""
+        return storage.join(self.root, self.experiment, self.run_id(trial))
 
     def run_id(self, trial: Trial) -> str:
         """The trial's run id (its run root and MLflow run name): ``<sweep id>-t<index>``."""
@@ -298,6 +309,12 @@ def plan_sweep(
     if not cfg.tracking.enable:
         raise ConfigError("tracking.enable: a sweep compares its trials in MLflow; expected true")
     keys = tuple(k for k, _ in expanded[0].values)
+    root = absolute(cfg.job.dump_folder)
+    model_name = f"{cfg.tracking.registered_model or cfg.job.experiment}-sweep"
+    pinned = {"job.dump_folder": root, "tracking.registered_model": model_name}
+    uri = resolve_tracking_uri(cfg)
+    if uri.startswith("sqlite:///"):  # a file next to the root; a server URI may hold credentials
+        pinned["tracking.uri"] = uri
     plan = SweepPlan(
         sweep_id=sweep_id,
         recipe=recipe,
@@ -308,9 +325,11 @@ def plan_sweep(
         experiment=cfg.job.experiment,
         # Trials register into a model of their own: never the production model's versions and
         # champion alias (each trial's publish stage runs the champion rule in its model).
-        model_name=f"{cfg.tracking.registered_model or cfg.job.experiment}-sweep",
+        model_name=model_name,
         metric=metric,
         concurrency=concurrency,
+        root=root,
+        pinned=tuple(pinned.items()),
         early_stop=rule,
     )
     for trial in plan.trials:

@@ -81,7 +81,7 @@ class TrialProgress:
 
     index: int
     mlflow_run_id: str  # the trial's pipeline run
-    run_root: str  # where its training writes (``job.dump_folder``)
+    run_root: str  # where its training writes (``SweepPlan.run_root``)
     status: str  # the pipeline run's MLflow status: RUNNING, FINISHED, FAILED, ...
     train_run_id: str = ""  # its train stage run, once it has one
     curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
@@ -93,7 +93,7 @@ def trial_progress(
     """Every trial with a pipeline run so far, its training-loss curve read live from its train
     stage run. ``known`` (the previous answer) spares reading runs that have ended."""
     mlflow_client = client(tracking.uri)
-    index_of = {plan.run_id(t): t.index for t in plan.trials}
+    trial_of = {plan.run_id(t): t for t in plan.trials}
     runs = mlflow_client.search_runs(
         [tracking.experiment_id],
         filter_string=(
@@ -103,16 +103,15 @@ def trial_progress(
     )
     progress = {}
     for run in runs:
-        index = index_of.get(run.data.tags.get("titan.run_id", ""))
-        if index is None:
+        planned = trial_of.get(run.data.tags.get("titan.run_id", ""))
+        if planned is None:
             continue
+        index = planned.index
         seen = known.get(index)
         if seen is not None and seen.status != "RUNNING":
             progress[index] = seen  # ended when last read: its curve is final
             continue
-        trial = TrialProgress(
-            index, run.info.run_id, run.data.tags.get("storage_root", ""), run.info.status
-        )
+        trial = TrialProgress(index, run.info.run_id, plan.run_root(planned), run.info.status)
         trial.train_run_id = (seen.train_run_id if seen else "") or _train_run(
             mlflow_client, tracking, run.info.run_id
         )
