@@ -154,7 +154,7 @@ def sweep(
         deployment: A pretrain_pipeline deployment to run each trial on its work pool
             (name or flow/name); empty runs the trials as subflows of this flow run.
         config_file: TOML job config applied onto the recipe for every trial.
-        early_stop: Early stopping (off by default): with enable, a running trial whose
+        early_stop: Early stopping (off by default): with enable, a trial still training whose
             training loss is worse than the median of the other trials' at the same step
             (from min_steps on, once min_trials others reached it) is stopped at its next log
             step; it still exports and evaluates what it trained, and is reported as stopped.

@@ -20,11 +20,11 @@ from tasks.common import retry_transient
 from titan_core import storage
 from titan_core.checkpoint.manager import complete_steps
 from titan_core.pipeline.common import load_config, redact, run_logger
-from titan_core.pipeline.early_stop import tag_stopped, trained_to
 from titan_core.pipeline.params import record_seed
 from titan_core.pipeline.storage import refresh, upload_folder
 from titan_core.pipeline.tracking import TrackingContext, log_config, stage_run
-from titan_core.stop_request import stop_requested
+from titan_core.pipeline.training import tag_stopped, trained_to
+from titan_core.stop_request import stopped_early
 
 # Fault-injection hooks (see titan_core/checkpoint/manager.py) model a transient failure: they
 # apply to the first attempt only, so that a retry can show the recovery.
@@ -71,11 +71,11 @@ def train(config_url: str, seed_url: str = "", tracking: TrackingContext | None 
         logger.info("Launching (%s): %s", cfg.launch.backend, redact(launcher.render(spec)))
         result = launcher.run(spec, on_line=lambda line: logger.info(redact(line)))
     refresh(folder)  # the ranks wrote the checkpoints: drop this process's cached listings
-    stopped = stop_requested(cfg.job.dump_folder)
-    step = trained_to(complete_steps(folder), cfg.training.steps, stopped, redact(folder))
-    if step < cfg.training.steps:
-        logger.info("Training stopped early at step %d (stop requested)", step)
-        tag_stopped(tracking, mlflow_run_id, step)
+    record = stopped_early(cfg.job.dump_folder)
+    step, stop = trained_to(complete_steps(folder), cfg.training.steps, record, redact(folder))
+    if stop is not None:
+        logger.info("Training stopped early at step %d (stop requested: %s)", step, stop.reason)
+        tag_stopped(tracking, mlflow_run_id, stop)
     final = storage.join(folder, f"step-{step}")
     logger.info("Training finished in %.1fs; final checkpoint %s", result.elapsed_s, redact(final))
     return final

@@ -237,11 +237,28 @@ def test_median_rule_waits_for_the_grace_period_and_enough_trials() -> None:
     bad = _curve(9, 9, 9)
     assert median_stop(bad, [_curve(1, 1, 1)] * 2, _rule(min_steps=4)) is None  # grace
     assert median_stop(bad, [_curve(1, 1, 1)] * 2, _rule(min_steps=3)) is not None
-    # Only trials that reached the step count: one of two is still at step 2.
-    assert median_stop(bad, [_curve(1, 1, 1), _curve(1, 1)], _rule()) is None
-    assert median_stop(bad, [_curve(1, 1, 1), _curve(1, 1, 1, 1)], _rule()) is not None
+    # Only trials that reached the step count: ahead of one of two (at step 2), the trial is
+    # judged at step 2, where both are; in the grace period that is no judgement at all.
+    assert median_stop(bad, [_curve(1, 1, 1), _curve(1, 1)], _rule()).step == 2
+    assert median_stop(bad, [_curve(1, 1, 1), _curve(1, 1)], _rule(min_steps=3)) is None
+    assert median_stop(bad, [_curve(1, 1, 1), _curve(1, 1, 1, 1)], _rule()).step == 3
     assert median_stop(bad, [_curve(1, 1, 1)] * 2, _rule(min_trials=3)) is None
     assert median_stop([], [_curve(1, 1, 1)] * 2, _rule()) is None
+
+
+def test_median_rule_judges_a_trial_ahead_of_the_others_where_they_are() -> None:
+    """Trials running side by side: the one in the lead is judged at the newest step that
+    ``min_trials`` others reached, not left alone until they catch up."""
+    from titan_core.pipeline.early_stop import judged_step, median_stop
+
+    ahead = _curve(9, 9, 9, 9, 9, every=10)  # at step 50
+    others = [_curve(3, 3, 3, every=10), _curve(3, 3, 3, 3, every=10), _curve(3, every=10)]
+    assert judged_step(ahead, others, 1) == 40 and judged_step(ahead, others, 2) == 30
+    assert judged_step(ahead, others, 3) == 10 and judged_step(ahead, others, 4) is None
+    decision = median_stop(ahead, others, _rule(min_steps=20, min_trials=2))
+    assert decision is not None and (decision.step, decision.num_trials) == (30, 2)
+    # Behind the others it is judged at its own newest step.
+    assert judged_step(_curve(9, every=10), others, 2) == 10
 
 
 def test_median_rule_smooths_losses_and_treats_divergence_as_worst() -> None:
@@ -260,6 +277,90 @@ def test_median_rule_smooths_losses_and_treats_divergence_as_worst() -> None:
     assert decision is not None and decision.loss == float("inf")
     # Peers that diverged count as the worst, not as a median of NaN.
     assert median_stop(_curve(5, 5, 9), [_curve(5, 5, nan)] * 3, _rule()) is None
+
+
+def test_a_training_job_stopped_early_only_by_its_record_of_that_step() -> None:
+    """The train task takes a checkpoint short of training.steps as the end of a job that
+    honoured a stop request only when the job's ``stopped-early`` record is of that step."""
+    from titan_core.pipeline.training import trained_to
+    from titan_core.stop_request import StopRecord
+
+    record = StopRecord(6, "enough")
+    assert trained_to([4, 8, 12], 12, None, "ck") == (12, None)
+    assert trained_to([4, 8, 12], 12, record, "ck") == (12, None)  # an old stop, trained on
+    assert trained_to([4, 6], 12, record, "ck") == (6, record)
+    for steps, stop in (([4, 8], record), ([4, 6], None), ([], record)):
+        with pytest.raises(RuntimeError, match="newest complete checkpoint in ck is"):
+            trained_to(steps, 12, stop, "ck")
+
+
+# ------------------------------------------------------------------ the monitor on MLflow
+
+
+def _trial_runs(client: Any, tracking: Any, plan: Any, index: int, **state: Any) -> None:
+    """Lay out trial ``index``'s runs as its pipeline does: a pipeline run nested under the
+    sweep's run, its train stage run under it with a ``train/loss`` history; ``state`` gives
+    the runs' statuses (``pipeline``, ``train``) and the ``losses`` (step -> loss)."""
+    from mlflow.entities import Metric
+
+    trial = plan.trials[index - 1]
+    tags = {"mlflow.parentRunId": tracking.parent_run_id, "titan.stage": "pipeline"}
+    pipeline = client.create_run(
+        tracking.experiment_id, tags=tags | {"titan.run_id": plan.run_id(trial)}
+    )
+    tags = {"mlflow.parentRunId": pipeline.info.run_id, "titan.stage": "train"}
+    train = client.create_run(tracking.experiment_id, tags=tags, run_name="train")
+    metrics = [Metric("train/loss", loss, 0, step) for step, loss in state["losses"].items()]
+    client.log_batch(train.info.run_id, metrics=metrics)
+    for run, status in ((pipeline, state["pipeline"]), (train, state["train"])):
+        if status != "RUNNING":
+            client.set_terminated(run.info.run_id, status=status)
+
+
+def test_monitor_asks_only_trials_still_training_to_stop(tmp_path: Path) -> None:
+    """``TrialMonitor.poll`` on a real MLflow store (SQLite) laid out as a sweep's runs: it asks
+    the clearly worse trial that is still training, and no trial whose training is over (its
+    train run ended while its pipeline exports and evaluates, or its last log step is its
+    last step) or already asked; it leaves the MLflow tags to the train task."""
+    from mlflow import MlflowClient
+
+    from titan_core.config.resolve import resolve_job
+    from titan_core.pipeline.early_stop import EarlyStopping
+    from titan_core.pipeline.sweep_monitor import TrialMonitor
+    from titan_core.pipeline.sweep_tracking import start_sweep_run
+    from titan_core.stop_request import pending_stop
+
+    base = {"job.dump_folder": str(tmp_path / "runs"), "tracking.uri": f"sqlite:///{tmp_path}/m.db"}
+    grid = {"training.steps": [60, 100, 101, 102, 103]}
+    plan = plan_sweep("s1", RECIPE, "", base, grid=grid)
+    tracking = start_sweep_run(resolve_job(RECIPE, "", base), plan)
+    client = MlflowClient(tracking.uri)
+    good = {s: 2.0 for s in range(10, 61, 10)}
+    bad = {s: 5.0 for s in range(10, 104)}
+    layout = {
+        1: {"pipeline": "FINISHED", "train": "FINISHED", "losses": good},  # a peer, to 60
+        2: {"pipeline": "RUNNING", "train": "RUNNING", "losses": good},
+        3: {"pipeline": "RUNNING", "train": "RUNNING", "losses": dict(list(bad.items())[:40])},
+        4: {"pipeline": "RUNNING", "train": "FINISHED", "losses": dict(list(bad.items())[:93])},
+        5: {"pipeline": "RUNNING", "train": "RUNNING", "losses": bad},  # logged step 103 of 103
+    }
+    for index, state in layout.items():
+        _trial_runs(client, tracking, plan, index, **state)
+    rule = EarlyStopping(enable=True, min_steps=10, min_trials=2, window=2)
+    monitor = TrialMonitor(tracking, plan, rule)
+
+    def asked() -> dict[int, str | None]:
+        return {t.index: pending_stop(plan.run_root(t)) for t in plan.trials}
+
+    monitor.poll()
+    reason = "training loss 5.0000 at step 49 is worse than the median 3.5000 of 4 other trials"
+    assert asked() == {1: None, 2: None, 3: reason, 4: None, 5: None}
+    pipeline_runs = client.search_runs([tracking.experiment_id], "tags.`titan.stage` = 'pipeline'")
+    assert not any("titan.stop_reason" in r.data.tags for r in pipeline_runs)
+    # Asked once: the trainer consumed the request, the next poll does not ask again.
+    Path(plan.run_root(plan.trials[2]), "stop-requested").unlink()
+    monitor.poll()
+    assert set(asked().values()) == {None}
 
 
 # ------------------------------------------------------------------ a real sweep
@@ -463,16 +564,21 @@ def test_a_missing_deployment_is_one_line_before_anything_runs(
 def test_early_stopping_stops_the_clearly_worse_trial(
     prefect_harness: Path, tmp_path: Path
 ) -> None:
-    """Two trials one after the other: the second (a learning rate too small to learn) is
-    judged against the first at every log step from step 5 on and stopped before its end; it
-    still exports and evaluates what it trained, and the first one is the best."""
+    """Two trials side by side: the second (a learning rate too small to learn) is judged
+    against the first at every log step from step 5 on and stopped long before its end; it
+    still exports and evaluates what it trained, and the first one is the best. (A monitor
+    that never stops it makes the test run the bad trial's steps, then fail; the monitor's
+    cases are ``test_monitor_asks_only_trials_still_training_to_stop``.)"""
     from mlflow import MlflowClient
 
     from flows.sweep import sweep
-    from titan_core.checkpoint.manager import complete_steps
-    from titan_core.pipeline.early_stop import STOPPED_TAG
+    from titan_core.checkpoint.manager import COMMIT_MARKER, complete_steps
+    from titan_core.pipeline.training import REASON_TAG, STOPPED_TAG
+    from titan_core.stop_request import StopRecord, stopped_early
 
-    steps = 300  # long enough for the monitor (polls every 0.2 s) to catch the bad trial
+    # The good trial trains them all (~35 s); the bad one is stopped within its first 100-200
+    # (the monitor polls every 0.2 s, and the good trial's live curve in MLflow lags).
+    steps = 600
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     overrides = tiny_values(steps=steps, nproc=1, interval=steps) | {
         "job.dump_folder": str(tmp_path / "runs"),
@@ -487,7 +593,7 @@ def test_early_stopping_stops_the_clearly_worse_trial(
         recipe=RECIPE,
         overrides=overrides,
         grid={"optimizer.lr": [1e-2, 1e-7]},
-        concurrency=1,
+        concurrency=2,
         early_stop=rule,
     )
     assert state.is_completed(), state.message
@@ -498,11 +604,18 @@ def test_early_stopping_stops_the_clearly_worse_trial(
     assert bad.steps == bad.stopped_at and bad.metric is not None and bad.model_version
     assert result.best == good and result.stopped == (bad,) and not result.failed
     assert f"stopped at step {bad.stopped_at}" in format_table(result)
-    # Its MLflow run says when and why; its run root holds the request and the final checkpoint.
-    run = MlflowClient(uri).get_run(bad.mlflow_run_id)
-    assert run.data.tags[STOPPED_TAG] == str(bad.stopped_at)
-    assert "worse than the median" in run.data.tags["sweep.stop_reason"]
-    run_root = Path(run.data.tags["storage_root"])
-    assert (run_root / "stop-requested").read_text().startswith("training loss ")
+    # Its MLflow run says when and why; its run root holds the record of the stop (the
+    # request consumed) and the stop's checkpoint, a full one that a later run resumes.
+    client = MlflowClient(uri)
+    tags = client.get_run(bad.mlflow_run_id).data.tags
+    assert tags[STOPPED_TAG] == str(bad.stopped_at)
+    reason = r"training loss \S+ at step \d+ is worse than the median \S+ of 1 other trials"
+    assert re.fullmatch(reason, tags[REASON_TAG]), tags[REASON_TAG]
+    run_root = Path(tags["storage_root"])
+    assert stopped_early(str(run_root)) == StopRecord(bad.stopped_at, tags[REASON_TAG])
+    assert not (run_root / "stop-requested").exists()
+    step_dir = run_root / "checkpoint" / f"step-{bad.stopped_at}"
     assert complete_steps(str(run_root / "checkpoint"))[-1] == bad.stopped_at
-    assert "stop_reason" not in MlflowClient(uri).get_run(good.mlflow_run_id).data.tags
+    assert json.loads((step_dir / COMMIT_MARKER).read_text())["model_only"] is False
+    good_tags = client.get_run(good.mlflow_run_id).data.tags
+    assert REASON_TAG not in good_tags and STOPPED_TAG not in good_tags

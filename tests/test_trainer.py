@@ -433,8 +433,13 @@ def test_bf16_autocast_and_extra_sink(tmp_path: Path, assets: Path) -> None:
     assert history[0]["loss"] == pytest.approx(7.7, abs=0.6)  # ~ln(2304): bf16 is still sane
 
 
-def test_stop_request_ends_training_at_the_next_log_step(tmp_path: Path, assets: Path) -> None:
-    from titan_core.stop_request import request_stop
+def test_stop_request_ends_training_at_the_next_log_step(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
+    """A stop saves the full state (not the last step's model-only export, the default) and
+    consumes the request into a record; a later run in the folder resumes and trains on,
+    bitwise as if never stopped."""
+    from titan_core.stop_request import StopRecord, request_stop, stopped_early
     from titan_core.trainer import Trainer
 
     class StopAt:
@@ -451,20 +456,45 @@ def test_stop_request_ends_training_at_the_next_log_step(tmp_path: Path, assets:
             pass
 
     # Asked at step 4's log; the trainer looks at log steps (every 2): it ends at step 6 of 12.
-    cfg = parse_args(_args(tmp_path, "--metrics.log_freq", "2", "--checkpoint.interval", "5"))
-    trainer = Trainer(cfg, extra_sinks=[StopAt(4)])
+    model_only_last = ("--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16")
+    argv = _args(tmp_path, "--metrics.log_freq", "2", "--checkpoint.interval", "5")
+    trainer = Trainer(parse_args([*argv, *model_only_last]), extra_sinks=[StopAt(4)])
     try:
         history = trainer.train()
     finally:
         trainer.close()
     assert [int(h["step"]) for h in history] == [1, 2, 4, 6]
-    assert complete_steps(str(tmp_path / "checkpoint")) == [5, 6]  # 6: the final save
-    assert (tmp_path / "stop-requested").read_text() == "test\n"
+    ckpt = tmp_path / "checkpoint"
+    assert complete_steps(str(ckpt)) == [5, 6]  # 6: the stop's save
+    assert json.loads((ckpt / "step-6" / COMMIT_MARKER).read_text())["model_only"] is False
+    assert _saved_dtype(ckpt / "step-6") == torch.float32
+    assert stopped_early(str(tmp_path)) == StopRecord(6, "test")
+    assert not (tmp_path / "stop-requested").exists()
+    resumed = _losses(run(parse_args(_args(tmp_path, *model_only_last))))
+    assert resumed == {s: reference[s] for s in range(7, 13)}
+
+
+def test_an_unreadable_stop_request_is_no_request(
+    tmp_path: Path, assets: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A storage error while looking for the request is logged once and the job trains on."""
+    from titan_core.logging import logger
+
+    (tmp_path / "stop-requested").mkdir()  # exists, cannot be read as a file
+    logger.addHandler(caplog.handler)
+    try:
+        argv = _args(tmp_path, "--training.steps", "4", "--checkpoint.no_enable")
+        history = run(parse_args(argv))
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert [int(h["step"]) for h in history] == [1, 2, 3, 4]
+    failed = [r for r in caplog.records if "pending_stop failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].levelname == "WARNING", caplog.text
 
 
 @pytest.mark.multiprocess
 def test_stop_request_stops_every_rank_of_a_torchrun_job(tmp_path: Path, assets: Path) -> None:
-    from titan_core.stop_request import request_stop
+    from titan_core.stop_request import StopRecord, request_stop, stopped_early
 
     dump = tmp_path / "dp"
     request_stop(str(dump))  # before the start: rank 0 sees it at the first log step (1)
@@ -480,5 +510,6 @@ def test_stop_request_stops_every_rank_of_a_torchrun_job(tmp_path: Path, assets:
     assert "stopped early at step 1 (stop requested)" in proc.stdout
     # Rank 1 got rank 0's answer: both left the loop and wrote the final checkpoint together.
     assert complete_steps(str(dump / "checkpoint")) == [1]
+    assert stopped_early(str(dump)) == StopRecord(1, "stop requested")
     logged = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1]

@@ -1,38 +1,87 @@
-"""Ask a running training job to stop at its next log step: a marker file in its dump folder.
+"""Ask a running training job to stop at its next log step: a request file in its dump folder,
+which the job consumes into a record of the stop.
 
 Anyone who can write to the job's ``job.dump_folder`` (a path or an fsspec URL) can create the
-marker ``stop-requested`` there, e.g. ``touch <dump_folder>/stop-requested``. Rank 0 looks for it
-at every log step (``metrics.log_freq``) and broadcasts what it found, so all ranks stop at the
-same step: the trainer saves that step as its final checkpoint, logs ``stopped early at step N
-(stop requested)`` and exits 0. The marker stays as the run's record of the stop; delete it
-before training the same run further.
+request ``stop-requested`` there, e.g. ``touch <dump_folder>/stop-requested``; its text is the
+reason. Rank 0 looks for it at every log step (``metrics.log_freq``) and broadcasts what it
+found, so all ranks stop at the same step. The trainer then consumes the request: it writes the
+record ``stopped-early`` (``{"step": N, "reason": ...}``) and deletes ``stop-requested``, so a
+later run in the same folder trains on normally. A request the job finds only after its last log
+step is dropped: the job completed anyway.
 """
 
 from __future__ import annotations
 
+import json
 import posixpath
+from dataclasses import dataclass
+
+import fsspec
 
 from titan_core import storage
 
 STOP_REQUEST = "stop-requested"
+STOPPED_EARLY = "stopped-early"
+DEFAULT_REASON = "stop requested"
+REASON_CHARS = 1000  # of a request's text kept as the reason (an MLflow tag's value)
 
 
-def stop_request_path(dump_folder: str) -> str:
-    """Where the marker of ``dump_folder``'s job lives."""
-    return storage.join(dump_folder, STOP_REQUEST)
+@dataclass(frozen=True)
+class StopRecord:
+    """A job's record of the stop it honoured: the step it ended at and why."""
+
+    step: int
+    reason: str
+
+
+def _fresh(dump_folder: str, name: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and path of ``name`` in ``dump_folder``, its folder's cached listing
+    dropped (another process writes these files)."""
+    fs, path = storage.filesystem(storage.join(dump_folder, name))
+    fs.invalidate_cache(posixpath.dirname(path))
+    return fs, path
 
 
 def request_stop(dump_folder: str, reason: str = "") -> str:
     """Ask the job writing into ``dump_folder`` to stop at its next log step; returns the
-    marker's path. ``reason`` (one line) is the marker's content, for people."""
-    path = stop_request_path(dump_folder)
-    storage.write_text_atomic(path, (reason or "stop requested") + "\n")
+    request's path. ``reason`` (one line) is the request's content, for people."""
+    path = storage.join(dump_folder, STOP_REQUEST)
+    storage.write_text_atomic(path, (reason or DEFAULT_REASON) + "\n")
     return path
 
 
-def stop_requested(dump_folder: str) -> bool:
-    """Whether someone asked the job writing into ``dump_folder`` to stop. Reads the storage
-    afresh (another process writes the marker), so call it at log steps, not every step."""
-    fs, path = storage.filesystem(stop_request_path(dump_folder))
-    fs.invalidate_cache(posixpath.dirname(path))
-    return fs.exists(path)
+def pending_stop(dump_folder: str) -> str | None:
+    """The reason (its text) of a pending stop request for ``dump_folder``'s job, or None. Reads the
+    storage afresh, so call it at log steps only; a storage error is raised."""
+    fs, path = _fresh(dump_folder, STOP_REQUEST)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        return f.read(REASON_CHARS).strip() or DEFAULT_REASON
+
+
+def record_stop(dump_folder: str, step: int, reason: str) -> None:
+    """Consume the request: write the ``stopped-early`` record (``step``, ``reason``), then
+    delete ``stop-requested``."""
+    record = json.dumps({"step": step, "reason": reason})
+    storage.write_text_atomic(storage.join(dump_folder, STOPPED_EARLY), record + "\n")
+    discard_stop_request(dump_folder)
+
+
+def discard_stop_request(dump_folder: str) -> bool:
+    """Delete a pending stop request; whether there was one."""
+    fs, path = _fresh(dump_folder, STOP_REQUEST)
+    if not fs.exists(path):
+        return False
+    fs.rm(path)
+    return True
+
+
+def stopped_early(dump_folder: str) -> StopRecord | None:
+    """The job's record of its latest honoured stop request, or None."""
+    fs, path = _fresh(dump_folder, STOPPED_EARLY)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        record = json.loads(f.read())
+    return StopRecord(int(record["step"]), str(record["reason"]))

@@ -218,9 +218,12 @@ class CheckpointManager:
             return False
         return last or step % self.cfg.interval == 0
 
-    def save(self, step: int, *, last: bool = False) -> None:
-        """Save ``step`` if it is a save point; async modes return once state is staged."""
-        if not self.should_save(step, last):
+    def save(self, step: int, *, last: bool = False, stop: bool = False) -> None:
+        """Save ``step`` if it is a save point (``should_save``; ``stop``: the job stops here on
+        request, see ``titan_core.stop_request``); async modes return once state is staged.
+        The last step's save is model-only with ``last_save_model_only``; a stop's is the full
+        state (optimizer, schedule, data, RNG), which a later run resumes from."""
+        if not self.should_save(step, last or stop):
             return
         self.wait()
         model_only = self.cfg.model_weights_only or (last and self.cfg.last_save_model_only)

@@ -1,11 +1,13 @@
-"""Early stopping of clearly worse sweep trials: the settings, the median stopping rule, and how a
-pipeline run records that its training was stopped early.
+"""Early stopping of clearly worse sweep trials: the settings and the median stopping rule.
 
-The rule (Golovin et al., "Google Vizier", 2017; Optuna's ``MedianPruner``): at a trial's newest
-logged step ``s`` (from ``min_steps`` on), compare the running mean of its last ``window`` logged
-training losses with the same mean of every other trial that reached ``s`` (running, finished or
+The rule (Golovin et al., "Google Vizier", 2017; Optuna's ``MedianPruner``): at a step ``s`` (from
+``min_steps`` on), compare the running mean of a trial's last ``window`` training losses logged
+up to ``s`` with the same mean of every other trial that reached ``s`` (running, finished or
 stopped); with at least ``min_trials`` of those, stop the trial when it is worse than their median
-by more than ``margin`` (relative). Pure functions: no orchestrator, no MLflow, no clock.
+by more than ``margin`` (relative). ``s`` is the trial's newest logged step, or the newest step
+that ``min_trials`` others reached when it is ahead of them (trials running side by side are
+judged as they go, the leader too). Pure functions: no orchestrator, no MLflow, no clock; the
+sweep's monitor (``sweep_monitor``) reads the curves and asks trials to stop.
 """
 
 from __future__ import annotations
@@ -19,10 +21,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from titan_core.errors import ConfigError
-from titan_core.pipeline.tracking import TrackingContext, client
 
 Curve = Sequence[tuple[int, float]]  # (step, training loss) at the logged steps, step ascending
-STOPPED_TAG = "titan.stopped_at"  # MLflow tag of a pipeline run whose training was stopped early
 
 
 class EarlyStopping(BaseModel):
@@ -87,13 +87,23 @@ def smoothed(curve: Curve, step: int, window: int) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
+def judged_step(curve: Curve, others: Sequence[Curve], min_trials: int) -> int | None:
+    """The step a trial is judged at: its newest logged step, or, when fewer than
+    ``min_trials`` others reached that, the newest step that ``min_trials`` others reached
+    (None when fewer than ``min_trials`` others logged anything)."""
+    reached = sorted((c[-1][0] for c in others if c), reverse=True)
+    if not curve or len(reached) < min_trials:
+        return None
+    return min(curve[-1][0], reached[min_trials - 1])
+
+
 def median_stop(curve: Curve, others: Sequence[Curve], rule: EarlyStopping) -> StopDecision | None:
-    """The median stopping rule for one trial at its newest logged step: a decision to stop it,
+    """The median stopping rule for one trial at its ``judged_step``: a decision to stop it,
     or None (in its grace period, too few other trials reached that step, or not worse than
     their median by more than the margin; a tie is never stopped)."""
-    if not curve or curve[-1][0] < rule.min_steps:
+    step = judged_step(curve, others, rule.min_trials)
+    if step is None or step < rule.min_steps:
         return None
-    step = curve[-1][0]
     loss = smoothed(curve, step, rule.window)
     peers = [v for c in others if (v := smoothed(c, step, rule.window)) is not None]
     if loss is None or len(peers) < rule.min_trials:
@@ -102,27 +112,3 @@ def median_stop(curve: Curve, others: Sequence[Curve], rule: EarlyStopping) -> S
     if not math.isfinite(median) or loss <= median + rule.margin * abs(median):
         return None
     return StopDecision(step, loss, median, len(peers))
-
-
-def trained_to(checkpoint_steps: Sequence[int], steps: int, stopped: bool, where: str) -> int:
-    """The step a cleanly finished training job reached (its newest complete checkpoint in
-    ``where``): ``steps``, or fewer when it was asked to stop (``stopped``, see
-    ``titan_core.stop_request``). Short of ``steps`` without a stop request it raises (a
-    ``RuntimeError``: the train task retries it, resuming from that checkpoint)."""
-    done = checkpoint_steps[-1] if checkpoint_steps else None
-    if done is not None and (done >= steps or stopped):
-        return done
-    raise RuntimeError(
-        f"training exited cleanly but the newest complete checkpoint in {where} is "
-        f"{'none' if done is None else done}, not step {steps}"
-    )
-
-
-def tag_stopped(tracking: TrackingContext | None, stage_run_id: str, step: int) -> None:
-    """Tag the pipeline's MLflow run and its train stage run ``titan.stopped_at=<step>``."""
-    if tracking is None:
-        return
-    mlflow_client = client(tracking.uri)
-    for run_id in (tracking.parent_run_id, stage_run_id):
-        if run_id:
-            mlflow_client.set_tag(run_id, STOPPED_TAG, str(step))

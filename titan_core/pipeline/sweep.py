@@ -14,10 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_core import storage
 from titan_core.errors import ConfigError, TitanError
 from titan_core.pipeline.early_stop import EarlyStopping, early_stopping
-from titan_core.pipeline.storage import absolute
+from titan_core.pipeline.storage import RunPaths, absolute
 from titan_core.pipeline.tracking import resolve_tracking_uri
 
 # Keys a sweep cannot vary: every trial must land in the same experiment, tracking store and
@@ -254,7 +253,7 @@ class SweepPlan:
 
     def run_root(self, trial: Trial) -> str:
         """Where the trial's run writes: ``<root>/<experiment>/<run id>``."""
-        return storage.join(self.root, self.experiment, self.run_id(trial))
+        return RunPaths(self.root, self.experiment, self.run_id(trial)).run_root
 
     def run_id(self, trial: Trial) -> str:
         """The trial's run id (its run root and MLflow run name): ``<sweep id>-t<index>``."""

@@ -1,7 +1,8 @@
 """Early stopping while a sweep's trials run: a thread reads the trials' training losses from
-MLflow every ``poll_seconds`` and asks each clearly worse running trial to stop
-(``early_stop.median_stop``), through the stop-request marker in the trial's run root
-(``titan_core.stop_request``): its trainer saves and ends at its next log step.
+MLflow every ``poll_seconds`` and asks each clearly worse trial that is still training to stop
+(``early_stop.median_stop``), through the stop request in the trial's run root
+(``titan_core.stop_request``): its trainer saves and ends at its next log step, and its train
+task tags its pipeline run as stopped (a request that came too late changes nothing).
 
 Both sides go through what a sweep already shares with its trials, MLflow and the storage root,
 so trials on a work pool are watched too when their run roots are on shared storage. The
@@ -20,46 +21,61 @@ from titan_core.pipeline.common import run_logger
 from titan_core.pipeline.early_stop import EarlyStopping, StopDecision, median_stop
 from titan_core.pipeline.sweep import SweepPlan
 from titan_core.pipeline.sweep_tracking import TrialProgress, trial_progress
-from titan_core.pipeline.tracking import TrackingContext, client
+from titan_core.pipeline.tracking import TrackingContext
 from titan_core.stop_request import request_stop
 
-REASON_TAG = "sweep.stop_reason"  # on a stopped trial's pipeline run: why the sweep stopped it
 _JOIN_TIMEOUT_S = 60.0  # a poll in flight when the sweep ends (one MLflow read per trial)
 
 
+def trial_steps(plan: SweepPlan) -> dict[int, int]:
+    """Each trial's ``training.steps`` (by trial index), as its config resolves."""
+    from titan_core.config.resolve import resolve_job
+
+    return {
+        t.index: resolve_job(plan.recipe, plan.config_file, plan.overrides(t)).training.steps
+        for t in plan.trials
+    }
+
+
 class TrialMonitor:
-    """Watches a sweep's trials and stops the clearly worse ones; ``stopped`` says which."""
+    """Watches a sweep's trials and asks the clearly worse ones to stop, each once."""
 
     def __init__(self, tracking: TrackingContext, plan: SweepPlan, rule: EarlyStopping) -> None:
         self.tracking, self.plan, self.rule = tracking, plan, rule
-        self.stopped: dict[int, StopDecision] = {}
+        self._steps = trial_steps(plan)
+        self._asked: set[int] = set()  # trials asked to stop
         self._progress: dict[int, TrialProgress] = {}
         self._last_error = ""
         self._done = threading.Event()
 
-    def poll(self) -> dict[int, StopDecision]:
-        """Read every trial once and stop those the rule picks; returns the new decisions."""
+    def poll(self) -> None:
+        """Read every trial once and ask those the rule picks to stop. A trial is judged only
+        while it trains (its train stage run is RUNNING) and has log steps left (its newest
+        logged step is short of its ``training.steps``): a request to a trial past that would
+        come too late to stop it."""
         self._progress = trial_progress(self.tracking, self.plan, self._progress)
-        decisions = {}
         for index, trial in sorted(self._progress.items()):
-            if trial.status != "RUNNING" or index in self.stopped or not trial.run_root:
+            if index in self._asked or not self._training(trial):
                 continue
             others = [
                 p.curve for i, p in self._progress.items() if i != index and p.status != "FAILED"
             ]
             if (decision := median_stop(trial.curve, others, self.rule)) is not None:
                 self._stop(trial, decision)
-                decisions[index] = decision
-        return decisions
+
+    def _training(self, trial: TrialProgress) -> bool:
+        """Whether ``trial`` is training and has log steps left (a stop can still act)."""
+        steps = self._steps[trial.index]
+        return trial.train_status == "RUNNING" and bool(trial.curve) and trial.curve[-1][0] < steps
 
     def _stop(self, trial: TrialProgress, decision: StopDecision) -> None:
-        """Ask the trial's trainer to stop; record why on its pipeline run."""
+        """Ask the trial's trainer to stop at its next log step. Its train task tags its
+        pipeline run when the trainer did (``titan_core.pipeline.training``)."""
         reason = decision.reason()
         request_stop(trial.run_root, reason)
-        self.stopped[trial.index] = decision
-        client(self.tracking.uri).set_tag(trial.mlflow_run_id, REASON_TAG, reason)
+        self._asked.add(trial.index)
         name = self.plan.name(self.plan.trials[trial.index - 1])
-        run_logger().warning("%s: stopping early: %s", name, reason)
+        run_logger().warning("%s: asked to stop early: %s", name, reason)
 
     def watch(self) -> None:
         """Poll until ``close``; a failed poll is logged (once per distinct error), never raised."""
@@ -77,13 +93,11 @@ class TrialMonitor:
 
 
 @contextlib.contextmanager
-def watching(
-    tracking: TrackingContext, plan: SweepPlan, rule: EarlyStopping
-) -> Iterator[TrialMonitor | None]:
+def watching(tracking: TrackingContext, plan: SweepPlan, rule: EarlyStopping) -> Iterator[None]:
     """Run a ``TrialMonitor`` on a thread while the block runs (when ``rule.enable``); the
     thread shares this context, so its logs go to the sweep's flow run."""
     if not rule.enable:
-        yield None
+        yield
         return
     monitor = TrialMonitor(tracking, plan, rule)
     context = contextvars.copy_context()
@@ -92,7 +106,7 @@ def watching(
     )
     thread.start()
     try:
-        yield monitor
+        yield
     finally:
         monitor.close()
         thread.join(timeout=_JOIN_TIMEOUT_S)

@@ -25,7 +25,6 @@ from titan_core.pipeline.compare import (
     plot_loss_curves,
     summarize_run,
 )
-from titan_core.pipeline.early_stop import STOPPED_TAG
 from titan_core.pipeline.report import markdown_image, mlflow_image
 from titan_core.pipeline.sweep import BEST_ALIAS, SweepPlan, TrialOutcome
 from titan_core.pipeline.sweep_report import (
@@ -46,6 +45,7 @@ from titan_core.pipeline.tracking import (
     log_params,
     resolve_tracking_uri,
 )
+from titan_core.pipeline.training import STOPPED_TAG
 
 SWEEP_STAGE = "sweep"
 SWEEP_TAG = "titan.sweep_id"
@@ -83,15 +83,15 @@ class TrialProgress:
     mlflow_run_id: str  # the trial's pipeline run
     run_root: str  # where its training writes (``SweepPlan.run_root``)
     status: str  # the pipeline run's MLflow status: RUNNING, FINISHED, FAILED, ...
-    train_run_id: str = ""  # its train stage run, once it has one
+    train_status: str = ""  # its train stage run's status, "" before it has one
     curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
 
 def trial_progress(
     tracking: TrackingContext, plan: SweepPlan, known: dict[int, TrialProgress]
 ) -> dict[int, TrialProgress]:
-    """Every trial with a pipeline run so far, its training-loss curve read live from its train
-    stage run. ``known`` (the previous answer) spares reading runs that have ended."""
+    """Every trial with a pipeline run so far, its train stage run's status and training-loss
+    curve read live. ``known`` (the previous answer) spares reading runs that have ended."""
     mlflow_client = client(tracking.uri)
     trial_of = {plan.run_id(t): t for t in plan.trials}
     runs = mlflow_client.search_runs(
@@ -112,18 +112,16 @@ def trial_progress(
             progress[index] = seen  # ended when last read: its curve is final
             continue
         trial = TrialProgress(index, run.info.run_id, plan.run_root(planned), run.info.status)
-        trial.train_run_id = (seen.train_run_id if seen else "") or _train_run(
-            mlflow_client, tracking, run.info.run_id
-        )
-        if trial.train_run_id:
-            history = mlflow_client.get_metric_history(trial.train_run_id, LOSS_KEY)
+        if (train := _train_run(mlflow_client, tracking, run.info.run_id)) is not None:
+            trial.train_status = train.info.status
+            history = mlflow_client.get_metric_history(train.info.run_id, LOSS_KEY)
             trial.curve = sorted((m.step, m.value) for m in history)
         progress[index] = trial
     return progress
 
 
-def _train_run(mlflow_client: Any, tracking: TrackingContext, pipeline_run_id: str) -> str:
-    """The id of a pipeline run's train stage run, or "" before it has one."""
+def _train_run(mlflow_client: Any, tracking: TrackingContext, pipeline_run_id: str) -> Any | None:
+    """A pipeline run's train stage run (read afresh: its status changes), if it has one."""
     runs = mlflow_client.search_runs(
         [tracking.experiment_id],
         filter_string=(
@@ -131,7 +129,7 @@ def _train_run(mlflow_client: Any, tracking: TrackingContext, pipeline_run_id: s
         ),
         max_results=1,
     )
-    return runs[0].info.run_id if runs else ""
+    return runs[0] if runs else None
 
 
 def model_version(mlflow_client: Any, model_name: str, mlflow_run_id: str) -> str:
