@@ -1,5 +1,11 @@
 """The ``compare`` flow: MLflow runs of one experiment side by side (``titan compare`` runs it).
 
+The experiment and the MLflow store come from the config, resolved as ``pretrain_pipeline``
+resolves it (recipe < config file < ``config`` < ``overrides``): ``job.experiment``, and
+``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else ``<job.dump_folder>/mlflow.db``
+(``titan_core.pipeline.tracking.resolve_tracking_uri``). So ``compare`` with the recipe and
+settings a pipeline ran with finds its runs with nothing else to say.
+
 The comparison (final loss, eval perplexity, tokens/s, MFU, differing config keys, the loss curves
 embedded) is shown as table and markdown artifacts of the flow run. It is logged to MLflow only
 when asked: ``log`` records a ``compare-*`` run in the experiment, ``parent_run_id`` nests that
@@ -8,30 +14,44 @@ run under another (e.g. a sweep's), so comparing does not clutter the experiment
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import flow
 
 from tasks.compare import compare_runs
-from titan_core.pipeline.compare import Comparison
+from titan_core.config.form import ConfigForm, flow_values
+from titan_core.pipeline.compare import Comparison, compare_target
 
 
-@flow(name="compare", log_prints=True)
+# Parameters are checked by flow_values/resolve_job (one-line errors), as in pretrain_pipeline.
+@flow(name="compare", log_prints=True, validate_parameters=False)
 def compare(
-    experiment: str,
+    recipe: str = "",
+    experiment: str = "",
+    config: ConfigForm | None = None,
+    overrides: dict[str, Any] | None = None,
+    config_file: str = "",
     runs: list[str] | None = None,
-    tracking_uri: str = "",
     max_runs: int = 10,
     log: bool = False,
     parent_run_id: str = "",
 ) -> Comparison:
-    """Compare runs of ``experiment`` (chosen ids/names, else the newest ``max_runs``).
+    """Compare runs of an experiment (chosen ids/names, else the newest ``max_runs``).
 
     Args:
-        experiment: MLflow experiment (the config's job.experiment).
+        recipe: Registry recipe the runs were trained from (e.g. llama3_debugmodel): its output
+            root and experiment say where they are tracked; empty starts from the defaults.
+        experiment: MLflow experiment to compare; empty uses job.experiment of the config.
+        config: Settings the runs were trained with, section by section; job.experiment,
+            tracking.uri and job.dump_folder (whose mlflow.db is the default store) are read.
+        overrides: Dotted config keys to values, applied last, e.g. {"tracking.uri": "..."}.
+        config_file: TOML job config applied onto the recipe.
         runs: Run ids or run names to compare, in this order; empty: the newest top-level runs.
-        tracking_uri: MLflow tracking URI; empty: MLFLOW_TRACKING_URI, else ./outputs/mlflow.db.
         max_runs: How many of the newest runs when no runs are named.
         log: Also record the comparison as an MLflow run of the experiment (tag
             titan.stage=compare).
         parent_run_id: Record it nested under this MLflow run instead (implies log).
     """
-    return compare_runs(experiment, runs, tracking_uri, max_runs, log, parent_run_id)
+    values = flow_values(config, overrides)
+    name, uri = compare_target(recipe, config_file, values, experiment)
+    return compare_runs(name, runs, uri, max_runs, log, parent_run_id)

@@ -1,7 +1,13 @@
 """``titan compare``: run the ``compare`` flow and print its table.
 
-    titan compare --experiment NAME [--runs ID_OR_NAME ...] [--tracking.uri URI] [--max-runs N]
-                  [--log | --parent-run-id RUN_ID] [--json]
+    titan compare [--config RECIPE [--module FAMILY]] [--config-file F] [--experiment NAME]
+                  [--runs ID_OR_NAME ...] [--max-runs N] [--log | --parent-run-id RUN_ID] [--json]
+                  [--section.field value ...]   # e.g. --tracking.uri URI --job.dump_folder DIR
+
+The experiment and the MLflow store are those of the config, resolved as ``titan pipeline run``
+resolves it (without --config or --config-file the recipe is llama3_debugmodel): job.experiment
+(--experiment is an alias), and tracking.uri, else MLFLOW_TRACKING_URI, else the output root's
+mlflow.db. So the config arguments a pipeline ran with find its runs.
 
 It prints the table; ``--log`` also records the comparison (loss-curve PNG, markdown with the
 image embedded, JSON) as an MLflow run of the experiment, ``--parent-run-id`` nests that run
@@ -18,28 +24,20 @@ import sys
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from flows.cli import RENAMED_FLAGS
+from flows.cli import RENAMED_FLAGS, flow_kwargs, prepare_prefect_env
 from titan_core.config.command import Command, default, run
 from titan_core.errors import ConfigError
-
-
-@dataclass
-class Tracking:
-    """Where the runs are tracked."""
-
-    uri: Annotated[str, default("$MLFLOW_TRACKING_URI, else ./outputs")] = ""
-    """MLflow tracking URI"""
+from titan_core.pipeline.compare import compare_target, open_experiment
 
 
 @dataclass(kw_only=True)
 class CompareOptions:
     """The options of ``titan compare``."""
 
-    experiment: str
-    """MLflow experiment (a run's job.experiment)"""
+    experiment: Annotated[str, default("the config's job.experiment")] = ""
+    """alias of --job.experiment: the MLflow experiment"""
     runs: Annotated[list[str], default("the newest --max-runs")] = field(default_factory=list)
     """run ids or names"""
-    tracking: Tracking = field(default_factory=Tracking)
     max_runs: int = 10
     """newest runs compared when --runs is not given"""
     log: bool = False
@@ -51,21 +49,12 @@ class CompareOptions:
 
 
 COMMAND = Command(
-    "titan compare", CompareOptions, __doc__ or "", takes_config=False, renamed=RENAMED_FLAGS
+    "titan compare",
+    CompareOptions,
+    __doc__ or "",
+    aliases={"experiment": "job.experiment"},
+    renamed=RENAMED_FLAGS,
 )
-
-
-def _preflight(experiment: str, tracking_uri: str) -> None:
-    """One-line errors before Prefect starts: the server answers, the experiment exists."""
-    from mlflow import MlflowClient
-
-    from titan_core.pipeline.tracking import check_tracking
-
-    check_tracking(tracking_uri)
-    if MlflowClient(tracking_uri=tracking_uri).get_experiment_by_name(experiment) is None:
-        raise ConfigError(
-            f"compare.experiment: no MLflow experiment named {experiment!r} at {tracking_uri}"
-        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,19 +64,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _compare(argv: list[str]) -> int:
-    ns = COMMAND.parse(argv).options
+    """Resolve the config, check its store has the experiment, then run the flow."""
+    parsed = COMMAND.parse(argv)
+    ns = parsed.options
     if ns.max_runs < 1:
         raise ConfigError(f"--max-runs: expected an int >= 1, got {ns.max_runs}")
-    from flows.cli import prepare_prefect_env
-
+    kwargs = flow_kwargs(parsed.config)
+    kwargs["overrides"] |= COMMAND.alias_values(parsed)
+    experiment, uri = compare_target(kwargs["recipe"], kwargs["config_file"], kwargs["overrides"])
+    open_experiment(experiment, uri)  # one line before Prefect starts: no store, no experiment
     prepare_prefect_env()
-    from titan_core.pipeline.compare import default_tracking_uri
-
-    uri = ns.tracking.uri or default_tracking_uri()
-    _preflight(ns.experiment, uri)
     from flows.compare import compare
 
-    result = compare(ns.experiment, ns.runs or None, uri, ns.max_runs, ns.log, ns.parent_run_id)
+    result = compare(
+        **kwargs,
+        runs=ns.runs or None,
+        max_runs=ns.max_runs,
+        log=ns.log,
+        parent_run_id=ns.parent_run_id,
+    )
     if ns.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0

@@ -27,14 +27,15 @@ from titan_core.errors import ConfigError
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PREFECT_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
 DEFAULT_POOL = "titan-process"
-# Parameters the pipeline flows took before they took the typed config, and where they went.
+# Parameters the config flows (pipeline, retrain, sweep, compare) took before they took the typed
+# config, and where they went.
 LEGACY_PARAMETERS = {
     "module": "recipe (a recipe name, or family/recipe)",
     "storage_root": "config.job.dump_folder",
     "tracking_uri": "config.tracking.uri",
     "eval_batches": "config.evaluate.batches",
 }
-CONFIG_FLOWS = (":pretrain_pipeline", ":retrain", ":sweep")
+CONFIG_FLOWS = (":pretrain_pipeline", ":retrain", ":sweep", ":compare")
 
 
 def _api_url() -> str:

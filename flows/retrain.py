@@ -35,6 +35,7 @@ from titan_core.pipeline.tracking import TrackingContext
 @flow(name="retrain", flow_run_name=run_id_name, validate_parameters=False)
 def retrain(
     steps: int = 100,
+    recipe: str = "",
     experiment: str = "",
     config: ConfigForm | None = None,
     overrides: dict[str, Any] | None = None,
@@ -43,20 +44,26 @@ def retrain(
 ) -> dict[str, Any]:
     """Train ``steps`` more steps from the newest checkpoint of ``experiment``'s model line.
 
-    The previous run's ``config.toml`` is the base config (``config_file`` replaces it); the
-    fields set in ``config``, then ``overrides``, apply on top. Returns the new run's summary
+    The line is found as ``pretrain_pipeline`` with the same ``recipe``, ``config`` and
+    ``overrides`` wrote it: ``<job.dump_folder>/<job.experiment>/``. The previous run's
+    ``config.toml`` is the base config of the new run (``config_file`` replaces it); the fields
+    set in ``config``, then ``overrides``, apply on top. Returns the new run's summary
     (``champion`` says whether the alias moved to its model version).
 
     Args:
         steps: Steps to train past the newest checkpoint.
+        recipe: Registry recipe the line was started with (e.g. llama3_debugmodel): its output
+            root (and so its default MLflow store) and experiment locate the line; its other
+            settings are not used (those are the previous run's); empty: the defaults' root,
+            ./outputs.
         experiment: Model line to continue (<job.dump_folder>/<experiment>/); empty uses
             job.experiment of the config.
         config: Settings changed for the new run, section by section (job.dump_folder, the
-            output root, default ./outputs, and tracking.uri also say where the model line
-            lives); empty fields keep the previous run's values.
+            output root, and tracking.uri also say where the model line lives, over the
+            recipe's); empty fields keep the previous run's values.
         overrides: Dotted config keys to values, applied last, e.g. {"data.sources": [...]}.
         config_file: TOML job config replacing the previous run's config.toml as the base (the
-            output root still comes from config or overrides).
+            output root still comes from the recipe, config or overrides).
         parent_run_id: MLflow run to nest this run under.
     """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -64,9 +71,9 @@ def retrain(
 
         raise ConfigError(f"retrain: steps: expected an int >= 1, got {steps!r}")
     values = flow_values(config, overrides)
-    # The root comes from the user's values (else JobConfig's ./outputs), never from a saved
-    # config.toml: there job.dump_folder is that run's own folder.
-    base = resolve_job("", "", values)
+    # The line's root comes from the recipe and the user's values, as pretrain_pipeline's did,
+    # never from a saved config.toml: there job.dump_folder is that run's own folder.
+    base = resolve_job(recipe, "", values)
     root = absolute(base.job.dump_folder)
     line = experiment or base.job.experiment
     configure_credentials(base.storage.credentials_block)
@@ -79,7 +86,7 @@ def retrain(
     )
     cfg = reresolve_autos(cfg, values)
     paths = RunPaths(root, line, current_run_id())
-    name_flow_run(f"{line}/{paths.run_id}", [*run_tags(cfg), "retrain"])
+    name_flow_run(f"{line}/{paths.run_id}", [*run_tags(cfg, recipe), "retrain"])
 
     def body(tracking: TrackingContext | None) -> dict[str, Any]:
         """The stages inside the parent MLflow run."""

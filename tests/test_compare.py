@@ -8,6 +8,7 @@ config as params, a nested train run whose per-step metrics come from the traine
 from __future__ import annotations
 
 import base64
+import json
 import re
 import struct
 from pathlib import Path
@@ -132,8 +133,11 @@ def test_compare_bad_input_is_one_line(
     uri, _ = tracking
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))  # `titan compare` sets it
     monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    with pytest.raises(ConfigError, match=r"^compare\.experiment: no MLflow experiment"):
+    with pytest.raises(ConfigError) as missing:
         compare_experiment("no-such-experiment", tracking_uri=uri)
+    assert str(missing.value).startswith(
+        f"job.experiment: no MLflow experiment named 'no-such-experiment' in {uri}"
+    )
     with pytest.raises(ConfigError, match=r"^compare\.runs: no run nope"):
         compare_experiment(EXPERIMENT, ["nope"], tracking_uri=uri)
     with pytest.raises(ConfigError, match=r"^compare\.runs: no run train"):  # a stage's name
@@ -147,10 +151,69 @@ def test_compare_bad_input_is_one_line(
     assert len(err.splitlines()) == 1
     code = titan_main(["compare", "--experiment", "missing", "--tracking.uri", uri])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err.startswith("error: compare.experiment: no MLflow experiment")
+    assert code == 2 and err.startswith(
+        f"error: job.experiment: no MLflow experiment named 'missing' in {uri}"
+    )
+    # --experiment is an alias of the config key: one of the two.
+    code = titan_main(["compare", "--experiment", "a", "--job.experiment", "b"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        "error: --experiment: an alias of --job.experiment, which is given too; give one"
+    )
     # One spelling per setting, as in titan pipeline: the old flag names the config key.
     code = titan_main(["compare", "--experiment", EXPERIMENT, "--tracking-uri", uri])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err == (
         "error: --tracking-uri: now the config key --tracking.uri; use --tracking.uri VALUE"
     )
+
+
+def test_compare_with_the_pipelines_recipe_reads_its_default_store(
+    prefect_harness: Path,
+    tracking: tuple[str, dict],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A pipeline run of a recipe records in the recipe's output root (``<root>/mlflow.db``,
+    experiment job.experiment): ``titan compare --config RECIPE`` and the flow with ``recipe``
+    find it there with nothing else given; another recipe's store is named as a hint."""
+    from flows.compare import compare
+    from titan_core.pipeline.compare import compare_target
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(prefect_harness))  # `titan compare` sets it
+    recipe = "llama3_debugmodel_tiny"  # root ./outputs/llama3_debugmodel_tiny, experiment titan
+    store = tmp_path / "outputs" / recipe / "mlflow.db"
+    store.parent.mkdir(parents=True)
+    run_id, *_ = log_pipeline_run(f"sqlite:///{store}", "titan", "only", BASE)
+    code = titan_main(["compare", "--config", recipe, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(out[out.index("{") :])
+    assert result["experiment"] == "titan" and result["tracking_uri"] == f"sqlite:///{store}"
+    assert [r["run_id"] for r in result["runs"]] == [run_id]
+    flow_result = compare(recipe=recipe, runs=["only"])
+    assert [r["run_id"] for r in flow_result.runs] == [run_id]
+    # MLFLOW_TRACKING_URI wins over the root's store, as for the pipeline; tracking.uri over it.
+    uri, _ = tracking
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert compare_target(recipe, "", {}) == ("titan", uri)
+    assert compare_target(recipe, "", {"tracking.uri": "http://x:5000"}, "e") == (
+        "e",
+        "http://x:5000",
+    )
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    # Another recipe's root has no store: one line naming where it looked and the stores found;
+    # comparing only reads, so no store is created.
+    capsys.readouterr()  # the flow run's log lines
+    code = titan_main(["compare", "--config", "llama3_debugmodel"])
+    err = capsys.readouterr().err.strip()
+    looked = tmp_path / "outputs" / "llama3_debugmodel" / "mlflow.db"
+    assert code == 2 and err == (
+        f"error: job.experiment: no MLflow experiment named 'titan' in sqlite:///{looked}; other "
+        f"stores: outputs/{recipe}/mlflow.db (the recipe whose root holds one, or tracking.uri "
+        "sqlite:///PATH, reads it)"
+    )
+    assert not looked.parent.exists()

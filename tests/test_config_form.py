@@ -165,3 +165,36 @@ def test_evaluate_section_defaults_and_round_trips(tmp_path: Path) -> None:
     toml = tmp_path / "eval.toml"
     toml.write_text("[evaluate]\nbatches = 0\n")
     assert resolve_job("", str(toml)).evaluate.batches == 0
+
+
+def test_config_flows_take_the_config_the_same_way() -> None:
+    """pretrain_pipeline, retrain, sweep and compare take the config alike: a recipe name, the
+    typed ``config`` form (one definition, the same for all), ``overrides`` and ``config_file``,
+    each described; compare finds the store from them (no tracking_uri parameter)."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.compare import compare
+    from flows.pipeline import pretrain_pipeline
+    from flows.retrain import retrain
+    from flows.sweep import sweep
+
+    schemas = {
+        f.name: parameter_schema(f.fn).model_dump_for_openapi()
+        for f in (pretrain_pipeline, retrain, sweep, compare)
+    }
+    forms = schemas["pretrain_pipeline"]["definitions"]
+    for name, schema in schemas.items():
+        params = schema["properties"]
+        assert {"recipe", "config", "overrides", "config_file"} <= set(params), name
+        assert all(p.get("description") for p in params.values()), name
+        assert params["recipe"]["type"] == "string", name
+        assert params["config"]["anyOf"][0] == {"$ref": "#/definitions/ConfigForm"}, name
+        assert {k: schema["definitions"][k] for k in forms} == forms, name
+        assert params["overrides"]["anyOf"][0]["type"] == "object", name
+    assert list(schemas["retrain"]["properties"]) == [
+        "steps", "recipe", "experiment", "config", "overrides", "config_file", "parent_run_id"
+    ]  # fmt: skip
+    assert list(schemas["compare"]["properties"]) == [
+        "recipe", "experiment", "config", "overrides", "config_file", "runs", "max_runs", "log",
+        "parent_run_id",
+    ]  # fmt: skip

@@ -168,9 +168,8 @@ def test_compare_deployment_with_tracking_server(stack: Stack, s3_server: Any) -
         name: log_pipeline_run(uri, EXPERIMENT, name, [*BASE, "--training.steps", "3", *args])
         for name, args in variants.items()
     }
-    flow_run_id = _run_deployment(
-        stack, "compare/compare", {"experiment": EXPERIMENT, "tracking_uri": uri, "log": True}
-    )
+    config = {"job": {"experiment": EXPERIMENT}, "tracking": {"uri": uri}}
+    flow_run_id = _run_deployment(stack, "compare/compare", {"config": config, "log": True})
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with api(stack.prefect) as client:
@@ -315,6 +314,7 @@ def test_pipeline_parameters_are_the_config_form(stack: Stack) -> None:
     for section in dataclasses.fields(JobConfig):
         check_section(form["properties"][section.name]["$ref"], hints[section.name])
     assert list(form["properties"]) == [f.name for f in dataclasses.fields(JobConfig)]
+    _check_other_config_flows(stack, defs)
     steps = defs["TrainingForm"]["properties"]["steps"]
     assert steps["type"] == "integer" and steps["examples"] == [100]
     assert steps["description"] == (
@@ -326,6 +326,33 @@ def test_pipeline_parameters_are_the_config_form(stack: Stack) -> None:
     batches = defs["EvaluateForm"]["properties"]["batches"]
     assert "0 = the whole split" in batches["description"] and batches["examples"] == [20]
     assert defs["TrainingForm"]["additionalProperties"] is False  # unknown fields: refused
+
+
+def _check_other_config_flows(stack: Stack, pretrain_defs: dict[str, Any]) -> None:
+    """The retrain and compare deployments take the config as pretrain does: the recipe (which
+    locates the pretrain deployment's line and store, nothing hard-coded), the same typed form."""
+    expected = {
+        "retrain/nightly": ["steps", "recipe", "experiment", "config", "overrides", "config_file",
+                            "parent_run_id"],
+        "compare/compare": ["recipe", "experiment", "config", "overrides", "config_file", "runs",
+                            "max_runs", "log", "parent_run_id"],
+    }  # fmt: skip
+    with api(stack.prefect) as client:
+        deps = {name: client.read_deployment_by_name(name) for name in expected}
+    assert deps["retrain/nightly"].parameters == {
+        "steps": 100, "recipe": "llama3_debugmodel", "config": {}, "overrides": {}
+    }  # fmt: skip
+    assert deps["compare/compare"].parameters == {
+        "recipe": "llama3_debugmodel", "config": {}, "overrides": {}, "max_runs": 10
+    }  # fmt: skip
+    for name, dep in deps.items():
+        schema = dep.parameter_openapi_schema
+        params = schema["properties"]
+        assert dep.enforce_parameter_schema and list(params) == expected[name], name
+        assert all(p.get("description") for p in params.values()), name
+        assert params["config"]["anyOf"][0]["$ref"].endswith("/ConfigForm"), name
+        defs = schema["definitions"]
+        assert {k: defs[k] for k in pretrain_defs} == pretrain_defs, name
 
 
 def test_server_refuses_invalid_parameters_before_a_flow_run(stack: Stack) -> None:
@@ -355,23 +382,26 @@ def test_server_refuses_invalid_parameters_before_a_flow_run(stack: Stack) -> No
 def test_deploy_refuses_old_pipeline_parameters_in_one_line(stack: Stack) -> None:
     """A prefect.yaml written for the old parameters names the new key, and deploys nothing."""
     old = yaml.safe_load(PREFECT_FILE.read_text())
-    (entry,) = [d for d in old["deployments"] if d["name"] == "pretrain"]
-    entry["name"] = "pretrain-old"
-    entry["parameters"] = {"config": "llama3_debugmodel", "storage_root": "s3://bucket/runs"}
-    old["deployments"] = [entry]
-    path = stack.work / "old-prefect.yaml"
-    path.write_text(yaml.safe_dump(old))
-    cmd = [str(BIN / "titan"), "pipeline", "deploy", "--prefect-file", str(path)]
-    proc = subprocess.run(
-        cmd, cwd=stack.work, env=stack.prefect.env, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == (
-        "error: old-prefect.yaml: deployment 'pretrain-old': parameter storage_root is gone; "
-        "use config.job.dump_folder\n"
-    )
+    entries = {d["name"]: d for d in old["deployments"]}
+    cases = {
+        "pretrain": ({"config": "llama3_debugmodel", "storage_root": "s3://bucket/runs"},
+                     "parameter storage_root is gone; use config.job.dump_folder"),
+        "compare": ({"experiment": "titan", "tracking_uri": "sqlite:///outputs/mlflow.db"},
+                    "parameter tracking_uri is gone; use config.tracking.uri"),
+    }  # fmt: skip
+    for name, (params, expected) in cases.items():
+        entry = {**entries[name], "name": f"{name}-old", "parameters": params}
+        path = stack.work / "old-prefect.yaml"
+        path.write_text(yaml.safe_dump({**old, "deployments": [entry]}))
+        cmd = [str(BIN / "titan"), "pipeline", "deploy", "--prefect-file", str(path)]
+        proc = subprocess.run(
+            cmd, cwd=stack.work, env=stack.prefect.env, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == f"error: old-prefect.yaml: deployment '{name}-old': {expected}\n"
     with api(stack.prefect) as client:
-        assert "pretrain-old" not in {d.name for d in client.read_deployments()}
+        deployed = {d.name for d in client.read_deployments()}
+    assert not {"pretrain-old", "compare-old"} & deployed
 
 
 @pytest.fixture(scope="module")
@@ -433,7 +463,8 @@ def retrained(stack: Stack, pretrained: dict) -> Any:
     from prefect.client.schemas.actions import DeploymentScheduleCreate
     from prefect.client.schemas.schedules import IntervalSchedule
 
-    params = {"steps": STEPS, "experiment": LINE, "config": _line_config(stack)}
+    # What the line's pretrain run was given: the recipe, and where its root and store are.
+    params = {"steps": STEPS, "recipe": "llama3_debugmodel_tiny", "config": _line_config(stack)}
     now = datetime.datetime.now(datetime.UTC)
     schedule = IntervalSchedule(interval=datetime.timedelta(seconds=60), anchor_date=now)
     with api(stack.prefect) as client:
@@ -445,6 +476,12 @@ def retrained(stack: Stack, pretrained: dict) -> Any:
     run = _wait_for_run(stack, "retrain/nightly", started, 300)
     with api(stack.prefect) as client:  # fire once: no second interval while this one runs
         client.update_deployment_schedule(dep.id, created.id, active=False)
+        # A slow start lets the worker take the next interval's run before the pause (it waits
+        # for the concurrency slot, then would retrain the line again): remove it.
+        for extra in _runs_of(stack, "retrain/nightly"):
+            tiny = extra.parameters.get("recipe") == params["recipe"]
+            if tiny and extra.id != run.id and not extra.state.is_final():
+                client.delete_flow_run(extra.id)
     return _wait_for_run(stack, "retrain/nightly", lambda r: r.state.is_final(), 600, run.id)
 
 
@@ -469,7 +506,7 @@ def test_retrain_schedule_fires_and_continues_the_line(
     stack: Stack, pretrained: dict, retrained: Any
 ) -> None:
     assert retrained.state.is_completed(), stack.worker.log()[-4000:]
-    assert retrained.auto_scheduled and retrained.parameters["experiment"] == LINE
+    assert retrained.auto_scheduled and retrained.parameters["recipe"] == "llama3_debugmodel_tiny"
     # It fired once, then its schedule was paused (the nightly cron's runs wait for 03:00).
     started = [r for r in _runs_of(stack, "retrain/nightly") if not r.state.is_scheduled()]
     assert [r.id for r in started] == [retrained.id]
@@ -482,7 +519,8 @@ def test_retrain_schedule_fires_and_continues_the_line(
 
 
 def test_compare_deployment_on_the_line(stack: Stack, pretrained: dict, retrained: Any) -> None:
-    params = {"experiment": LINE, "tracking_uri": stack.mlflow.uri}
+    # Given what the line's pretrain run was given, as retrain was: its experiment and store.
+    params = {"recipe": "llama3_debugmodel_tiny", "config": _line_config(stack)}
     flow_run_id = _run_deployment(stack, "compare/compare", params)
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 

@@ -207,6 +207,10 @@ def test_mlflow_parent_and_stage_runs(first_run: dict, line: dict, s3_server: An
     run_root = f"{line['storage']}/{EXPERIMENT}/{parent.info.run_name}"
     assert params["job.dump_folder"] == run_root == first_run["result"]["run_root"]
     assert not any(key.startswith("storage.root") for key in params)
+    # What runs share comes from the root, never from a run's folder: the experiment's MLflow
+    # artifacts (the store is the line's tracking.uri here) live under the root.
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.artifact_location == f"{line['storage']}/mlflow-artifacts/{EXPERIMENT}"
     tags = parent.data.tags
     assert tags["prefect.flow_run_id"] == str(first_run["flow_run_id"])
     assert tags["storage_root"] == first_run["result"]["run_root"]
@@ -413,11 +417,15 @@ def test_retrain_continues_line_and_moves_champion_only_if_better(
         (tmp_path / "newdata" / name).write_text("\n".join(lines[i * 40 : (i + 1) * 40]) + "\n")
     client = _client(line)
     before = client.get_model_version_by_alias(EXPERIMENT, "champion")
+    # The line's recipe, with the root and store pretrain_pipeline was given over the recipe's.
     state, flow_run_id = run_flow(
         retrain,
         steps=2,
-        experiment=EXPERIMENT,
-        config={"job": {"dump_folder": line["storage"]}, "tracking": {"uri": line["tracking"]}},
+        recipe="llama3_debugmodel_tiny",
+        config={
+            "job": {"dump_folder": line["storage"], "experiment": EXPERIMENT},
+            "tracking": {"uri": line["tracking"]},
+        },
         overrides={
             # The line's last run trained on 1 rank and saved FSDP degree 1: 2 ranks now.
             "launch.nproc_per_node": 2,
@@ -445,10 +453,34 @@ def test_retrain_continues_line_and_moves_champion_only_if_better(
     assert names.index("prepare_data") < names.index("preflight")
     assert sorted(n for n in names if n.startswith("tokenize_shard")) == shard_tasks
     assert all(r.state.is_completed() for n in ["prepare_data", *shard_tasks] for r in runs[n])
+    # Data is shared by the runs of a root: under the root, not under a run's folder.
     assert result["dataset"].startswith(line["storage"] + "/data/")
+    assert not result["dataset"].startswith(result["run_root"] + "/")
+    assert "recipe:llama3_debugmodel_tiny" in flow_run(flow_run_id).tags
     assert result["dataset_train_shards"] == 2 and result["dataset_grew"] is False
     fs = s3_server.filesystem()
     config = fs.cat(result["run_root"].removeprefix("s3://") + "/config.toml").decode()
     assert f'dataset = "{result["dataset"]}"' in config
     record = json.loads(fs.cat(result["run_root"].removeprefix("s3://") + "/dataset.json"))
     assert record["url"] == result["dataset"] and record["train_shards"] == 2
+
+
+def test_retrain_looks_for_the_line_where_its_recipe_writes(
+    prefect_harness: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given only the recipe, retrain looks where pretrain_pipeline of that recipe writes: the
+    recipe's output root and experiment (no line there yet: one line saying so)."""
+    from flows.retrain import retrain
+    from titan_core.errors import CheckpointError
+
+    monkeypatch.chdir(tmp_path)
+    for recipe, root in [
+        ("llama3_debugmodel_tiny", "outputs/llama3_debugmodel_tiny"),
+        ("", "outputs"),
+    ]:
+        with pytest.raises(CheckpointError) as err:
+            retrain(steps=1, recipe=recipe)
+        assert str(err.value) == (
+            f"retrain: no complete checkpoint under {tmp_path / root / 'titan'}; run the "
+            "pretrain pipeline for this experiment first"
+        )

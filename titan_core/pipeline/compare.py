@@ -13,6 +13,7 @@ the experiment as it was.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import statistics
 import tempfile
 import time
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -99,6 +101,18 @@ def default_tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or resolve_tracking_uri(JobConfig())
 
 
+def compare_target(
+    recipe: str, config_file: str, values: Mapping[str, Any], experiment: str = ""
+) -> tuple[str, str]:
+    """``(experiment, tracking URI)`` of the config ``resolve_job`` resolves from the layers:
+    ``experiment`` or its job.experiment, and ``resolve_tracking_uri`` (the store a pipeline run
+    of the same config records in); one-line ``ConfigError`` for a bad recipe, key or value."""
+    from titan_core.config.resolve import resolve_job
+
+    cfg = resolve_job(recipe, config_file, values)
+    return experiment or cfg.job.experiment, resolve_tracking_uri(cfg)
+
+
 def _steady(values: list[float]) -> float | None:
     """Median of a rate's logged values, leaving out the first (warm-up) when there are more."""
     finite = [v for v in values if math.isfinite(v)]
@@ -161,12 +175,53 @@ def differing_params(runs: list[RunSummary]) -> dict[str, dict[str, str | None]]
     return out
 
 
-def select_runs(client: Any, experiment: str, run_ids: list[str], max_runs: int) -> list[Any]:
-    """The chosen runs (ids or names, in that order), else the newest top-level runs."""
+def _sqlite_file(uri: str) -> str | None:
+    """The database file of a local SQLite store URI (absolute), None for other stores."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return os.path.abspath(uri.removeprefix("sqlite:///"))
+
+
+def no_experiment(experiment: str, uri: str) -> ConfigError:
+    """The one-line error for a store without ``experiment``: names the store looked in and, for
+    a local SQLite store, the other ``mlflow.db`` files under ``./outputs`` (per-recipe roots)."""
+    message = f"job.experiment: no MLflow experiment named {experiment!r} in {public_url(uri)}"
+    looked = _sqlite_file(uri)
+    if looked is None:
+        return ConfigError(message)
+    found = sorted(glob.glob(os.path.join("outputs", "mlflow.db")))
+    found += sorted(glob.glob(os.path.join("outputs", "*", "mlflow.db")))
+    others = [path for path in found if os.path.abspath(path) != looked]
+    if others:
+        message += (
+            f"; other stores: {', '.join(others)} (the recipe whose root holds one, or "
+            "tracking.uri sqlite:///PATH, reads it)"
+        )
+    return ConfigError(message)
+
+
+def open_experiment(experiment: str, uri: str) -> tuple[Any, str]:
+    """An ``MlflowClient`` of the store at ``uri`` and the id of ``experiment`` in it; one line
+    when the store does not answer or has no such experiment (a missing SQLite file is not
+    created: comparing only reads)."""
+    from mlflow import MlflowClient
+
+    looked = _sqlite_file(uri)
+    if looked is not None and not os.path.isfile(looked):
+        raise no_experiment(experiment, uri)
+    check_tracking(uri)
+    client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        raise ConfigError(f"compare.experiment: no MLflow experiment named {experiment!r}")
-    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
+        raise no_experiment(experiment, uri)
+    return client, exp.experiment_id
+
+
+def select_runs(
+    client: Any, experiment_id: str, experiment: str, run_ids: list[str], max_runs: int
+) -> list[Any]:
+    """The chosen runs (ids or names, in that order), else the newest top-level runs."""
+    runs = client.search_runs([experiment_id], order_by=["attributes.start_time DESC"])
     runs = [r for r in runs if r.data.tags.get(STAGE_TAG) != COMPARE_STAGE]
     top = [r for r in runs if PARENT_TAG not in r.data.tags]
     if run_ids:
@@ -181,7 +236,7 @@ def select_runs(client: Any, experiment: str, run_ids: list[str], max_runs: int)
             )
         return [by_key[k] for k in run_ids]
     if not top:
-        raise ConfigError(f"compare.experiment: experiment {experiment!r} has no runs")
+        raise ConfigError(f"job.experiment: experiment {experiment!r} has no runs")
     return list(reversed(top[:max_runs]))  # oldest first reads naturally in tables and legends
 
 
@@ -305,14 +360,11 @@ def compare_experiment(
     too, nested under that run. An empty ``tracking_uri`` means ``MLFLOW_TRACKING_URI``, else
     the pipeline's default.
     """
-    from mlflow import MlflowClient
-
     if max_runs < 1:
         raise ConfigError(f"compare.max_runs: expected an int >= 1, got {max_runs}")
     uri = tracking_uri or default_tracking_uri()
-    check_tracking(uri)
-    client = MlflowClient(tracking_uri=uri)
-    chosen = select_runs(client, experiment, list(run_ids or []), max_runs)
+    client, experiment_id = open_experiment(experiment, uri)
+    chosen = select_runs(client, experiment_id, experiment, list(run_ids or []), max_runs)
     runs = [summarize_run(client, r) for r in chosen]
     diff = differing_params(runs)
     with tempfile.TemporaryDirectory(prefix="titan-compare-") as tmp:
@@ -329,7 +381,7 @@ def compare_experiment(
         )
         if log or parent_run_id:
             run_id, plot_uri = _log_comparison(
-                client, chosen[0].info.experiment_id, result, runs, png, parent_run_id
+                client, experiment_id, result, runs, png, parent_run_id
             )
             result = dataclasses.replace(result, compare_run_id=run_id, plot_uri=plot_uri)
     return result
