@@ -42,8 +42,8 @@ PIPELINE_RUN = Command(
     "titan pipeline run",
     RunOptions,
     f"Run pretrain_pipeline in this process. Without --config or --config-file the recipe is "
-    f"{DEFAULT_RECIPE}. Every --section.field VALUE is a config override, e.g. --job.dump_folder "
-    "URL, --tracking.uri URI, --evaluate.batches N.",
+    f"{DEFAULT_RECIPE}. Overrides often given: --job.dump_folder URL, --tracking.uri URI, "
+    "--evaluate.batches N.",
     renamed=RENAMED_FLAGS,
 )
 

@@ -73,8 +73,16 @@ def _overrides(config: ConfigArgs) -> list[str]:
 
 
 def _demo(ns: DemoOptions, overrides: list[str]) -> int:
-    home = prepare_prefect_env()  # before anything imports Prefect: it reads settings once
     from titan_core.config.resolve import cli_values, resolve_job
+
+    if not ns.raw_text:
+        overrides = [*demo_data_overrides(), *overrides]
+    overrides = [*DEMO_OVERRIDES, *overrides]
+    if ns.steps:
+        overrides += ["--training.steps", str(ns.steps)]
+    values = cli_values(overrides)
+    cfg = resolve_job(DEMO_RECIPE, "", values)  # a bad override is one line; nothing written yet
+    home = prepare_prefect_env()  # before anything imports Prefect: it reads settings once
     from titan_core.pipeline.model_line import latest_checkpoint
     from titan_core.pipeline.storage import absolute
 
@@ -82,12 +90,6 @@ def _demo(ns: DemoOptions, overrides: list[str]) -> int:
         from titan_core.data import ensure_assets
 
         ensure_assets()  # the corpus to prepare, on a fresh machine too (seconds, then cached)
-        overrides = [*demo_data_overrides(), *overrides]
-    overrides = [*DEMO_OVERRIDES, *overrides]
-    if ns.steps:
-        overrides += ["--training.steps", str(ns.steps)]
-    values = cli_values(overrides)
-    cfg = resolve_job(DEMO_RECIPE, "", values)
     latest = latest_checkpoint(absolute(cfg.job.dump_folder), cfg.job.experiment)
     if latest is None:
         from flows.pipeline import pretrain_pipeline
@@ -101,11 +103,7 @@ def _demo(ns: DemoOptions, overrides: list[str]) -> int:
             f"demo: continuing from {latest.step_dir} for {cfg.training.steps} more steps "
             "(promoted only if the eval loss improves)"
         )
-        # retrain finds the line in the root given (it resolves no recipe): the one looked in.
-        root = {"job.dump_folder": cfg.job.dump_folder}
-        result = retrain(
-            steps=cfg.training.steps, experiment=cfg.job.experiment, overrides=values | root
-        )
+        result = retrain(steps=cfg.training.steps, recipe=DEMO_RECIPE, overrides=values)
     print(where_to_look(result, home))
     print("demo: run `make demo` again to continue training this model line")
     return 0

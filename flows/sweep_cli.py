@@ -13,6 +13,8 @@ Prefect starts: a bad key or value is one ``error:`` line and nothing runs.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -97,16 +99,32 @@ def sweep_kwargs(argv: list[str]) -> dict[str, Any]:
         "early_stop": early_stop_arg(parsed),
     }
     plan_args = {k: kwargs[k] for k in ("grid", "random", "trials", "seed", "concurrency")}
-    plan_sweep(
-        "check",
-        kwargs["recipe"],
-        kwargs["config_file"],
-        kwargs["overrides"],
-        metric=ns.metric,
-        early_stop=kwargs["early_stop"],
-        **plan_args,
-    )
+    try:
+        plan_sweep(
+            "check",
+            kwargs["recipe"],
+            kwargs["config_file"],
+            kwargs["overrides"],
+            metric=ns.metric,
+            early_stop=kwargs["early_stop"],
+            **plan_args,
+        )
+    except ConfigError as e:
+        raise ConfigError(as_flags(str(e))) from None
     return kwargs
+
+
+def as_flags(message: str) -> str:
+    """``message`` with the sweep's own settings named by the flags that set them:
+    ``sweep.concurrency`` is ``--concurrency``, ``sweep.early_stop.min_trials`` is
+    ``--early-stop-min-trials`` (the flow's parameter names are for its callers)."""
+    own = {f.name for f in dataclasses.fields(SweepOptions)}
+
+    def flag(match: re.Match[str]) -> str:
+        name = match.group(1).replace(".", "_")
+        return "--" + name.replace("_", "-") if name in own else match.group(0)
+
+    return re.sub(r"\bsweep\.((?:early_stop\.)?\w+)\b(?!\.)", flag, message)
 
 
 def _run(argv: list[str]) -> int:

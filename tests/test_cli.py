@@ -8,37 +8,82 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import pytest
 
 from flows.main import main as titan_main
-from titan_core.config.command import CONFIG_NOTE, OVERRIDES_NOTE
+from titan_core.config.command import CONFIG_NOTE, KEYS_NOTE, OVERRIDES_NOTE
 from titan_core.convert.cli import main as convert_main
 from titan_core.estimate.cli import main as estimate_main
 from titan_core.evaluate.cli import main as eval_main
 
 Main = Callable[[list[str] | None], int]
-# Every `titan` subcommand, run in-process through the dispatcher: (its words, the required
-# options of its argv, one own typed option given a word (an int or a float: "" for none), the
-# config note its --help ends with ("" for a command that takes no config)).
-COMMANDS: list[tuple[list[str], list[str], str, str]] = [
-    (["train"], [], "--ngpu", CONFIG_NOTE),
-    (["config"], [], "", ""),  # its --help is the config manager's: every key (below)
-    (["launch"], [], "--timeout", CONFIG_NOTE),
-    (["convert", "dcp-to-hf"], ["--checkpoint", "x", "--output", "y"], "", CONFIG_NOTE),
-    (["convert", "hf-to-dcp"], ["--hf", "x", "--output", "y"], "", ""),
-    (["data", "prepare"], [], "--workers", CONFIG_NOTE),
-    (["data", "info"], [], "", ""),
-    (["data", "verify"], [], "", ""),
-    (["eval"], ["--checkpoint", "x"], "--max-batches", CONFIG_NOTE),
-    (["estimate"], [], "--ngpu", CONFIG_NOTE),
-    (["compare"], ["--experiment", "x"], "--max-runs", ""),
-    (["pipeline", "run"], [], "", CONFIG_NOTE),
-    (["pipeline", "deploy"], [], "", ""),
-    (["sweep"], [], "--early-stop-margin", CONFIG_NOTE),
-    (["demo"], [], "--steps", OVERRIDES_NOTE),
+
+
+@dataclass(frozen=True)
+class Row:
+    """One ``titan`` subcommand, run in-process through the dispatcher."""
+
+    words: list[str]
+    own: str
+    """its own options (and positional metavars) that its --help must list"""
+    required: list[str] = field(default_factory=list)
+    """the required options of its argv, with values"""
+    typed: str = ""
+    """one own option that takes a number ("": none)"""
+    note: str = ""
+    """what its --help says about config arguments ("": it takes no config)"""
+    keys: bool = False
+    """its --help lists every config key too"""
+
+
+COMMANDS = [
+    Row(["train"], "--ngpu --log-rank --dry-run", typed="--ngpu", note=KEYS_NOTE, keys=True),
+    Row(["config"], "", keys=True),
+    Row(["launch"], "--dry-run --timeout", typed="--timeout", note=CONFIG_NOTE),
+    Row(
+        ["convert", "dcp-to-hf"],
+        "--checkpoint --output --dtype --max-shard-size --progress",
+        ["--checkpoint", "x", "--output", "y"],
+        note=CONFIG_NOTE,
+    ),
+    Row(["convert", "hf-to-dcp"], "--hf --output", ["--hf", "x", "--output", "y"]),
+    Row(
+        ["data", "prepare"],
+        "SOURCE --out --text-field --tokenizer --validation-every --workers",
+        typed="--workers",
+        note=CONFIG_NOTE,
+    ),
+    Row(["data", "info"], "URL"),
+    Row(["data", "verify"], "URL --checksum"),
+    Row(
+        ["eval"],
+        "--checkpoint --output --hf-folder --max-batches --prompts --max-new-tokens "
+        "--lm-eval-tasks --lm-eval-task-dir --lm-eval-limit",
+        ["--checkpoint", "x"],
+        typed="--max-batches",
+        note=CONFIG_NOTE,
+    ),
+    Row(["estimate"], "--ngpu --json --device-memory", typed="--ngpu", note=CONFIG_NOTE),
+    Row(
+        ["compare"],
+        "--experiment --runs --max-runs --log --parent-run-id --json",
+        typed="--max-runs",
+        note=CONFIG_NOTE,
+    ),
+    Row(["pipeline", "run"], "--run-id", note=CONFIG_NOTE),
+    Row(["pipeline", "deploy"], "--prefect-file --pool --pool-type --name"),
+    Row(
+        ["sweep"],
+        "--grid --random --trials --seed --concurrency --metric --deployment --early-stop "
+        "--early-stop-min-steps --early-stop-min-trials --early-stop-window --early-stop-margin",
+        typed="--early-stop-margin",
+        note=CONFIG_NOTE,
+    ),
+    Row(["demo"], "--steps --raw-text --engine-only", typed="--steps", note=OVERRIDES_NOTE),
 ]
-IDS = [" ".join(c[0]) for c in COMMANDS]
+IDS = [" ".join(c.words) for c in COMMANDS]
 # Commands whose positional argument is required: (words, its name in the error).
 POSITIONAL = {"data info": "URL", "data verify": "URL"}
 
@@ -50,18 +95,17 @@ def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("words, required, typed, note", COMMANDS, ids=IDS)
-def test_unknown_flag_is_one_line(
-    words: list[str], required: list[str], typed: str, note: str, capsys
-) -> None:
-    assert titan_main([*words, *required, "--bogus-flag", "1"]) == 2
+@pytest.mark.parametrize("row", COMMANDS, ids=IDS)
+def test_unknown_flag_is_one_line(row: Row, capsys) -> None:
+    assert titan_main([*row.words, *row.required, "--bogus-flag", "1"]) == 2
     assert _one_error_line(capsys).startswith("error: unknown option --bogus-flag")
+    assert titan_main([*row.words, *row.required, "-x"]) == 2  # not tyro's error box
+    assert _one_error_line(capsys) == "error: unknown option -x: options look like --name value"
 
 
-@pytest.mark.parametrize("words, required, typed, note", COMMANDS, ids=IDS)
-def test_bad_value_is_one_line(
-    words: list[str], required: list[str], typed: str, note: str, capsys
-) -> None:
+@pytest.mark.parametrize("row", COMMANDS, ids=IDS)
+def test_bad_value_is_one_line(row: Row, capsys) -> None:
+    words, required, typed = row.words, row.required, row.typed
     if typed:  # a number option given a word: named as typed and as --help shows it
         assert titan_main([*words, *required, typed, "many"]) == 2
         line = _one_error_line(capsys)
@@ -73,7 +117,7 @@ def test_bad_value_is_one_line(
         assert titan_main(words) == 2
         name = POSITIONAL[" ".join(words)]
         assert _one_error_line(capsys) == f"error: missing {name}: expected a string"
-    if not typed and (note or words == ["config"]):  # a config key given a bad value
+    if not typed and (row.note or row.keys):  # a config key given a bad value
         recipe = ["--config", "llama3_debugmodel_tiny"]
         assert titan_main([*words, *required, *recipe, "--training.steps", "many"]) == 2
         assert _one_error_line(capsys) == "error: --training.steps: expected an int, got 'many'"
@@ -82,26 +126,34 @@ def test_bad_value_is_one_line(
         assert _one_error_line(capsys).startswith("error: unknown option --training.steps")
 
 
-@pytest.mark.parametrize("words, required, typed, note", COMMANDS, ids=IDS)
-def test_help_lists_own_options(
-    words: list[str], required: list[str], typed: str, note: str, capsys
-) -> None:
-    assert titan_main([*words, "--help"]) == 0
+@pytest.mark.parametrize("row", COMMANDS, ids=IDS)
+def test_help_lists_own_options(row: Row, capsys) -> None:
+    assert titan_main([*row.words, "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    for flag in [*required[::2], typed]:
-        assert flag in out
-    if words == ["config"]:  # the config manager's help lists every key
-        assert "--training.steps" in out and "--module" in out
-    elif note:
-        assert " ".join(note.split()) in out
+    for flag in row.own.split():
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out), flag
+    if row.keys:  # the config manager's help: every key
+        assert "--training.steps" in out and "--job.dump-folder" in out
+    if row.note:  # said once: the description does not repeat it
+        assert " ".join(row.note.split()) in out
+        assert len(re.findall("Config (arguments|overrides)", out)) == 1
+        assert row.note == OVERRIDES_NOTE or "config override" not in out
     else:
         assert "Config arguments" not in out and "Config overrides" not in out
+
+
+@pytest.mark.parametrize("words", [["train"], ["config"]])
+def test_help_lists_the_keys_with_the_recipes_defaults(words: list[str], capsys) -> None:
+    assert titan_main([*words, "--config", "llama3_debugmodel_tiny", "--help"]) == 0
+    out = " ".join(re.sub(r"[│╭╰─╮╯]", " ", capsys.readouterr().out).split())
+    assert "--job.dump-folder STR" in out and "(default: ./outputs/llama3_debugmodel_tiny)" in out
+    assert ("--ngpu INT" in out) == (words == ["train"])
 
 
 def test_dispatcher_help_lists_every_command(capsys) -> None:
     assert titan_main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert all(f"\n  {name} " in out for name in {c[0][0] for c in COMMANDS})
+    assert all(f"\n  {name} " in out for name in {c.words[0] for c in COMMANDS})
     for words in (["convert"], ["data"], ["pipeline"]):
         assert titan_main([*words, "--help"]) == 0
         assert "commands:" in capsys.readouterr().out
@@ -131,3 +183,56 @@ def test_titan_subprocess_is_one_line() -> None:
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == "error: --ngpu: expected an int, got 'two'\n"
+
+
+def test_values_may_start_with_a_dash(capsys) -> None:
+    from flows.sweep_cli import COMMAND as SWEEP
+
+    argv = ["--grid", "model.n_layers=-1,2", "--early-stop-margin", "-0.1", "--seed", "-3"]
+    ns = SWEEP.parse(argv).options
+    assert (ns.grid, ns.early_stop_margin, ns.seed) == (["model.n_layers=-1,2"], -0.1, -3)
+    # A list option's value is the sweep's to check: its own one line, not tyro's box.
+    assert titan_main(["sweep", "--grid", "-x"]) == 2
+    assert _one_error_line(capsys).startswith("error: --grid '-x': expected KEY=VALUES")
+    assert titan_main(["data", "info", "-x"]) == 2
+    assert _one_error_line(capsys) == "error: unknown option -x: options look like --name value"
+
+
+def test_config_file_spellings_mean_the_same(tmp_path, capsys) -> None:
+    from flows.cli import PIPELINE_RUN, flow_kwargs
+    from flows.sweep_cli import sweep_kwargs
+
+    job = tmp_path / "job.toml"
+    job.write_text("[training]\nsteps = 7\n")
+    spellings = ["--config-file", "--config_file", "--job.config_file", "--job.config-file"]
+    printed = []
+    for flag in spellings:
+        assert titan_main(["config", flag, str(job)]) == 0
+        printed.append(capsys.readouterr().out)
+        # The pipeline applies the file onto the defaults, not onto its default recipe.
+        kwargs = flow_kwargs(PIPELINE_RUN.parse([flag, str(job)]).config)
+        assert (kwargs["recipe"], kwargs["config_file"]) == ("", str(job))
+    assert "\nsteps = 7\n" in printed[0] and printed.count(printed[0]) == len(spellings)
+    sweep = sweep_kwargs(["--job.config_file", str(job), "--grid", "debug.seed=1,2"])
+    assert (sweep["recipe"], sweep["config_file"]) == ("", str(job))
+    assert titan_main(["config", "--config-file", str(job), "--job.config_file", "b.toml"]) == 2
+    assert _one_error_line(capsys) == (
+        f"error: --config-file: given twice (--config-file {job}, --job.config_file b.toml); "
+        "give one"
+    )
+
+
+def test_train_dry_run_checks_the_config_first(capsys) -> None:
+    assert titan_main(["train", "--dry-run", "--training.steps", "many"]) == 2
+    assert _one_error_line(capsys) == "error: --training.steps: expected an int, got 'many'"
+
+
+@pytest.mark.parametrize(
+    "words", [["demo"], ["pipeline", "run"], ["sweep", "--grid", "debug.seed=1,2"]]
+)
+def test_a_bad_override_writes_nothing(words: list[str], tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PREFECT_HOME", raising=False)  # its default is under ./outputs
+    assert titan_main([*words, "--training.steps", "many"]) == 2
+    assert _one_error_line(capsys) == "error: --training.steps: expected an int, got 'many'"
+    assert list(tmp_path.iterdir()) == []

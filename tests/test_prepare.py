@@ -31,6 +31,7 @@ from titan_core.data.prepare import (
     commit_prepare,
     plan_prepare,
     prepare,
+    spec_from_config,
     tokenize_unit,
 )
 from titan_core.data.shards import (
@@ -465,6 +466,19 @@ def test_cli_config_arguments(tmp_path: Path, tok_path: str, tok: Tokenizer) -> 
     parsed = data_cli.PREPARE.parse(["a", "--out", "o", "b", "--data.sources", "x", "y"])
     assert (parsed.options.sources, parsed.options.out) == (["a", "b"], "o")
     assert parsed.config.overrides == ("--data.sources", "x", "y")  # config values stay theirs
+
+
+def test_cli_spec_from_config_is_the_one_default() -> None:
+    """`titan data prepare`'s defaults are the config's (root <job.dump_folder>/data, the bundled
+    tokenizer); the options given win."""
+    from titan_core.config.job import JobConfig
+
+    spec = spec_from_config(JobConfig(), sources=("a",))
+    assert spec.root == os.path.abspath("outputs/data")  # PrepareSpec makes local paths absolute
+    assert spec.tokenizer_path == str(default_tokenizer_path())
+    assert (spec.text_field, spec.validation_every) == ("text", 100)
+    spec = spec_from_config(JobConfig(), sources=("a",), root="r", validation_every=0)
+    assert (spec.root, spec.validation_every) == (os.path.abspath("r"), 0)
 
 
 # --------------------------------------------------------------------------- S3

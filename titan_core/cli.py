@@ -37,6 +37,17 @@ TRAIN = Command(
     "Train in this process, or under torchrun on --ngpu local processes (the same command "
     "builder as titan launch's local backend). A COMM_MODE config (--comm.mode) simulates the "
     "--ngpu ranks in one process.",
+    config_help=True,
+)
+
+
+@dataclass
+class ConfigOptions:
+    """``titan config`` has no options of its own: config arguments only."""
+
+
+CONFIG = Command(
+    "titan config", ConfigOptions, "Print the resolved config as TOML.", config_help=True
 )
 
 
@@ -52,17 +63,18 @@ def train(ngpu: int, log_rank: str, rest: list[str], dry_run: bool = False) -> i
 
     Several processes go through ``titan_core.launch``'s local backend, the same command builder
     as ``titan launch`` and the pipeline's train task (``./run_train.sh`` calls this).
-    ``dry_run`` prints the command instead of running it.
+    ``dry_run`` checks the config and prints the command instead of running it.
     """
     if ngpu > 1 and (simulated := _comm_mode_args(ngpu, rest)):
         # COMM_MODE: one process simulates all ngpu ranks (titan_core.comm_mode).
         rest, ngpu = simulated, 1
-    if ngpu > 1:
+    if ngpu > 1 or dry_run:
         from titan_core.build import check_job
         from titan_core.config.manager import parse_args
 
         cfg = parse_args(rest)
-        check_job(cfg, ngpu)  # a bad config fails here, before torchrun starts
+        check_job(cfg, ngpu)  # a bad config fails here, before torchrun starts or is printed
+    if ngpu > 1:
         launcher, spec = local_train_launch(cfg.launch, rest, ngpu, log_rank)
         if dry_run:
             print(launcher.render(spec))
@@ -97,11 +109,11 @@ def _comm_mode_args(ngpu: int, rest: list[str]) -> list[str]:
     return rest if parse_args(rest).comm.mode != "default" else []
 
 
-def config(rest: list[str]) -> int:
-    """``titan config``: print the resolved config as TOML."""
+def config(argv: list[str]) -> int:
+    """``titan config``: print the resolved config as TOML (``--help``: every config key)."""
     from titan_core.config.manager import main as config_main
 
-    return config_main(rest)
+    return config_main(CONFIG.parse(argv).config.argv())
 
 
 def demo(steps: int, rest: list[str]) -> int:

@@ -3,16 +3,18 @@
 A command declares its OWN options as a small dataclass: each field is a flag (``--field-name``;
 underscores work too), its docstring the help, its default the default; a field without a
 default is a required option, a ``tyro.conf.Positional`` field takes the positional arguments
-and a nested dataclass gives dotted flags (``--tracking.uri``). tyro prints ``--help`` and builds
-the dataclass. Before that, ``Command.parse`` splits the argv:
+and a nested dataclass gives dotted flags (``--tracking.uri``). tyro prints ``--help``; it never
+parses (its error box is no one-line error). ``Command.parse`` splits the argv:
 
-- config arguments (``--module``, ``--config``, ``--config-file`` and every ``--section.field``
-  with the values after it) become ``ConfigArgs``, handed unchanged to the config manager
-  (``manager.parse_args``) or to ``titan_core.config.resolve``: every config key is a flag of
-  every command that takes a config;
+- config arguments (``--module``, ``--config``, ``--config-file`` (``--job.config-file`` is the
+  same) and every ``--section.field`` with the values after it) become ``ConfigArgs``, handed
+  unchanged to the config manager (``manager.parse_args``) or to ``titan_core.config.resolve``:
+  every config key is a flag of every command that takes a config;
 - the command's own flags are checked by the config manager's checker (``_scan_cli`` on the
   dataclass's schema), so an unknown flag, a missing required option or a value of the wrong
-  type is one ``ConfigError`` line in the same words as a bad config key.
+  type is one ``ConfigError`` line in the same words as a bad config key; the options dataclass
+  is built from the values so checked. A token that starts with ``--`` is a flag, any other a
+  value (``--margin -0.1``) or a positional argument (where ``-x`` is an unknown option).
 
 ``run`` is the one error path of every entry point (``titan`` and each ``python -m ...cli``):
 a ``TitanError`` is one ``error:`` line on stderr and its exit code (2), a failed launch one line
@@ -21,6 +23,7 @@ and 1. ``dispatch`` runs a subcommand named by the first argument (``titan conve
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -33,7 +36,16 @@ from typing import Any, Generic, TypeVar
 
 import tyro
 
-from titan_core.config.manager import _fields, _lookup, _pop_option, _scan_cli, _Spec
+from titan_core.config.job import JobConfig
+from titan_core.config.manager import (
+    _did_you_mean,
+    _fields,
+    _lookup,
+    _pop_option,
+    _scan_cli,
+    _schema,
+    _Spec,
+)
 from titan_core.errors import ConfigError, TitanError
 
 T = TypeVar("T")
@@ -45,12 +57,17 @@ CONFIG_NOTE = (
     "--job.config-file) and every --section.field VALUE of the job config (titan config --help "
     "lists them all)."
 )
+# The note of a command whose --help lists the config keys itself (``Command.config_help``).
+KEYS_NOTE = CONFIG_NOTE.replace(
+    "(titan config --help lists them all)", "(listed below, with the defaults of --config RECIPE)"
+)
 OVERRIDES_NOTE = (
     "Config overrides are accepted too: every --section.field VALUE of the job config (titan "
     "config --help lists them all)."
 )
 # Config arguments that are not --section.field: how each is spelled on the command line.
 _SELECTORS = {"module": "--module", "config": "--config", "config_file": "--config-file"}
+_CONFIG_FILE_FLAGS = ("--config-file", "--config_file", "--job.config_file", "--job.config-file")
 _POSITIONAL = typing.get_args(tyro.conf.Positional[str])[1]
 
 
@@ -112,6 +129,8 @@ class Command(Generic[T]):
     ``alias_values``. ``renamed``: old flags that became config keys (old flag -> new flag),
     refused in one line naming the key and hidden from ``--help``. ``note``: what ``--help``
     says about config arguments (``OVERRIDES_NOTE`` where the command picks the recipe).
+    ``config_help``: ``--help`` lists every config key too, with the defaults of the recipe
+    that ``--config`` names (``titan train``, ``titan config``).
     """
 
     prog: str
@@ -121,11 +140,12 @@ class Command(Generic[T]):
     aliases: Mapping[str, str] = field(default_factory=dict)
     renamed: Mapping[str, str] = field(default_factory=dict)
     note: str = CONFIG_NOTE
+    config_help: bool = False
 
     def parse(self, argv: list[str]) -> Parsed[T]:
         """Parse ``argv``; ``-h``/``--help`` prints the help and raises ``SystemExit(0)``."""
         if "-h" in argv or "--help" in argv:
-            self._tyro(["--help"])
+            self._help(argv)
         schema = _options_schema(self.options)
         try:
             return self._parse(argv, schema)
@@ -134,10 +154,8 @@ class Command(Generic[T]):
 
     def _parse(self, argv: list[str], schema: dict[str, _Spec]) -> Parsed[T]:
         split = self._split(argv)
-        values, tyro_argv = _scan_cli(split.own, schema)
-        for key, items in split.lists.items():
-            values[key] = items
-            tyro_argv += ["--" + key.replace("_", "-"), *items]
+        values, _ = _scan_cli(split.own, schema)
+        values |= split.lists
         positional = _positional_field(self.options)
         if positional:
             values[positional] = self._positional_value(positional, schema, split.positionals)
@@ -146,8 +164,7 @@ class Command(Generic[T]):
                 f"unexpected argument {split.positionals[0]!r}: options look like --name value"
             )
         self._check_required(values, schema)
-        options = self._tyro([*split.positionals, *tyro_argv])
-        return Parsed(options, values, self._config_args(split.config))
+        return Parsed(_build(self.options, values), values, self._config_args(split.config))
 
     def alias_values(self, parsed: Parsed[T]) -> dict[str, Any]:
         """The config values the alias options given stand for (config key -> value); an alias
@@ -164,10 +181,27 @@ class Command(Generic[T]):
             out[key] = parsed.given[name]
         return out
 
+    def _help(self, argv: list[str]) -> None:
+        """Print the help and raise ``SystemExit(0)``: the own options (tyro's), then with
+        ``config_help`` the config manager's help (every key, with the defaults of the recipe
+        that ``argv`` names)."""
+        if not self.config_help:
+            self._tyro(["--help"])
+        if dataclasses.fields(self.options):  # type: ignore[arg-type]
+            with contextlib.suppress(SystemExit):
+                self._tyro(["--help"])
+            print()
+        from titan_core.config.manager import ConfigManager
+
+        recipe = self._config_args([t for t in argv if t not in ("-h", "--help")])
+        recipe = dataclasses.replace(recipe, config_file="", overrides=())
+        ConfigManager(prog=self.prog).parse_args([*recipe.argv(), "--help"])
+
     def _tyro(self, args: list[str]) -> T:
+        """tyro on ``args``: only ever ``--help`` (it prints the help and exits 0)."""
         description = unwrap(self.description.strip().replace("``", ""))
         if self.takes_config:
-            description += "\n\n" + self.note
+            description += "\n\n" + (KEYS_NOTE if self.config_help else self.note)
         return tyro.cli(self.options, args=args, prog=self.prog, description=description)
 
     def _split(self, argv: list[str]) -> _Split:
@@ -194,6 +228,8 @@ class Command(Generic[T]):
             elif room:
                 out.own.append(token)
                 room -= 1
+            elif re.fullmatch(r"-[^\d.].*", token):
+                raise ConfigError(f"unknown option {token}: options look like --name value")
             else:
                 out.positionals.append(token)
         return out
@@ -210,9 +246,13 @@ class Command(Generic[T]):
         own = key in schema or key.removeprefix("no_") in schema
         if self.takes_config and not own and ("." in key or key in _SELECTORS):
             return "config", 0, ""
+        if not own and self.takes_config:  # suggest config keys too: --steps -> --training.steps
+            hint = _did_you_mean(key, {**schema, **_schema(JobConfig)}, "--")
+            raise ConfigError(f"unknown option --{name}{hint or ' (see --help for the options)'}")
         key, _ = _lookup(name, schema)  # an unknown own flag: one line with suggestions
         kind = schema[key].kind
         if kind == "list":
+            assert schema[key].item == _Spec("str"), f"{key}: own list options are list[str]"
             return "list", 0, key
         return "own", 0 if kind == "bool" or has_inline else 1, key
 
@@ -236,14 +276,20 @@ class Command(Generic[T]):
                 )
 
     def _config_args(self, tokens: list[str]) -> ConfigArgs:
-        """The config arguments: the selectors taken out, the overrides as given."""
+        """The config arguments: the selectors taken out (``--job.config_file`` is
+        ``--config-file``, in every spelling), the overrides as given."""
         found = {}
-        for name, flag in _SELECTORS.items():
-            value, tokens = _pop_option(tokens, flag)
-            if name == "config_file":  # the underscore spelling too
-                other, tokens = _pop_option(tokens, "--config_file")
-                value = other if other is not None else value
+        for name in ("module", "config"):
+            value, tokens = _pop_option(tokens, _SELECTORS[name])
             found[name] = value or ""
+        files = {}
+        for flag in _CONFIG_FILE_FLAGS:
+            value, tokens = _pop_option(tokens, flag)
+            files |= {flag: value} if value is not None else {}
+        if len(set(files.values())) > 1:
+            given = ", ".join(f"{flag} {value}" for flag, value in files.items())
+            raise ConfigError(f"--config-file: given twice ({given}); give one")
+        found["config_file"] = next(iter(files.values()), "")
         return ConfigArgs(**found, overrides=tuple(tokens))
 
 
@@ -276,6 +322,20 @@ def _as_shown(message: str, schema: dict[str, _Spec]) -> str:
         return _flag(name) if own else match.group(0)
 
     return re.sub(r"--([\w.]+)", shown, message)
+
+
+def _build(cls: type[T], values: Mapping[str, Any], prefix: str = "") -> T:
+    """An options instance of ``cls`` from the checked ``values`` (by field name, dotted for a
+    nested dataclass's fields); the fields not given keep their defaults."""
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        key = prefix + f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], values, key + ".")
+        elif key in values:
+            kwargs[f.name] = values[key]
+    return cls(**kwargs)
 
 
 def _flag(name: str) -> str:

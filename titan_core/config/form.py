@@ -9,18 +9,15 @@ engine default is in the description ("Default: 100.") and in ``examples``.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import inspect
-import itertools
 import json
 import re
-import textwrap
 import typing
 from collections.abc import Mapping
 from typing import Any
 
+import docstring_parser
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from titan_core.config.job import JobConfig
@@ -34,19 +31,8 @@ _SECTION_CONFIG = ConfigDict(extra="forbid", strict=True)
 def attribute_docstrings(cls: type) -> dict[str, str]:
     """The docstrings under the fields of dataclass ``cls`` (the string literal after each
     annotated field), whitespace collapsed to single spaces."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, after in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
+    params = docstring_parser.parse_from_object(cls).params
+    return {p.arg_name: " ".join((p.description or "").split()) for p in params}
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:

@@ -540,7 +540,7 @@ class ConfigManager:
             module, config = find_recipe(config)
         base = self.config_cls() if module is None else load_registry_config(module, config or "")
         if "-h" in argv or "--help" in argv:
-            self._tyro(base, ["--help"])  # prints the help and raises SystemExit(0)
+            self._help(base)
         values, tyro_argv = _scan_cli(argv, _schema(self.config_cls))
         given = set(values)
         if values.get("job.config_file"):
@@ -560,6 +560,46 @@ class ConfigManager:
         return tyro.cli(
             self.config_cls, default=base, args=args, prog=self.prog, description=_DESCRIPTION
         )
+
+    def _help(self, base: JobConfig) -> None:
+        """Print every key with ``base``'s values as defaults and raise ``SystemExit(0)``; each
+        field's docstring is one paragraph (see ``_help_class``)."""
+        cls = _help_class(self.config_cls)
+        default = _help_copy(cls, base)
+        tyro.cli(cls, default=default, args=["--help"], prog=self.prog, description=_DESCRIPTION)
+
+
+@functools.cache
+def _help_class(cls: type) -> type:
+    """``cls`` for ``--help`` only: the same fields and sections, each field's docstring given
+    as its help with the line breaks of its paragraphs removed. (tyro keeps a break before
+    every indented line of an attribute docstring: one line per source line.)"""
+    import docstring_parser
+
+    hints = typing.get_type_hints(cls, include_extras=True)
+    docs = {p.arg_name: p.description for p in docstring_parser.parse_from_object(cls).params}
+    fields = []
+    for f in dataclasses.fields(cls):
+        tp = (
+            _help_class(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else hints[f.name]
+        )
+        text = docs.get(f.name) or ""
+        help_text = "\n\n".join(" ".join(p.split()) for p in text.split("\n\n"))
+        fields.append((f.name, tp, dataclasses.field(metadata={"help": help_text or None})))
+    return dataclasses.make_dataclass(cls.__name__, fields, namespace={"__doc__": cls.__doc__})
+
+
+def _help_copy(cls: type, obj: Any) -> Any:
+    """``obj`` (a config or section) as an instance of its ``_help_class`` ``cls``."""
+    hints = typing.get_type_hints(cls)
+    return cls(
+        **{
+            f.name: _help_copy(hints[f.name], getattr(obj, f.name))
+            if dataclasses.is_dataclass(hints[f.name])
+            else getattr(obj, f.name)
+            for f in dataclasses.fields(cls)
+        }
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:

@@ -25,8 +25,6 @@ import tyro
 from titan_core.config.command import Command, Parsed, default, dispatch, run
 from titan_core.errors import ConfigError
 
-DEFAULT_ROOT = "./outputs/data"
-
 
 @dataclass(kw_only=True)
 class PrepareOptions:
@@ -37,7 +35,7 @@ class PrepareOptions:
         tyro.conf.arg(metavar="SOURCE ...", help_behavior_hint="(default: data.sources)"),
     ] = field(default_factory=list)
     """files, folders, fsspec URLs, hf:NAME?... datasets"""
-    out: Annotated[str, default(f"the config's data root, else {DEFAULT_ROOT}")] = ""
+    out: Annotated[str, default("the config's data.root, else <job.dump_folder>/data")] = ""
     """data root; the dataset goes to <ROOT>/<fingerprint>"""
     text_field: Annotated[str, default("the config's data.text_field, else text")] = ""
     """row field holding the text"""
@@ -71,9 +69,8 @@ PREPARE = Command(
     "titan data prepare",
     PrepareOptions,
     "Tokenize sources into shards (a rerun is cached; new files are appended). SOURCEs go "
-    "before config arguments, which take the values after them (--data.sources A B). Config "
-    "arguments (--module/--config, --data.*, --tokenizer.path, --job.dump_folder) fill in what "
-    "the options leave out.",
+    "before config arguments, which take the values after them (--data.sources A B). What the "
+    "options leave out comes from the config: data.*, tokenizer.path, job.dump_folder.",
 )
 INFO = Command("titan data info", InfoOptions, "Summarise a prepared dataset.", takes_config=False)
 VERIFY = Command(
@@ -85,36 +82,27 @@ VERIFY = Command(
 
 
 def _prepare(argv: list[str]) -> int:
-    from titan_core.data.prepare import PrepareSpec, prepare
+    from titan_core.config.manager import parse_args
+    from titan_core.data.prepare import prepare, spec_from_config
 
     parsed: Parsed[PrepareOptions] = PREPARE.parse(argv)
     ns, given = parsed.options, parsed.given
-    base = {"sources": (), "root": DEFAULT_ROOT, "tokenizer_path": "", "text_field": "text"}
-    validation_every, workers = 100, 0
-    if parsed.config.given():
-        from titan_core.config.manager import parse_args
-
-        cfg = parse_args(parsed.config.argv())
-        base = {
-            "sources": tuple(cfg.data.sources),
-            "root": cfg.data.root or f"{cfg.job.dump_folder.rstrip('/')}/data",
-            "tokenizer_path": cfg.tokenizer.path,
-            "text_field": cfg.data.text_field,
-        }
-        validation_every, workers = cfg.data.validation_every, cfg.data.workers
     if ns.workers < 0:
         raise ConfigError(f"--workers: expected >= 0, got {ns.workers}")
-    sources = tuple(ns.sources) or base["sources"]
-    if not sources:
+    cfg = parse_args(parsed.config.argv())  # no config arguments: the defaults
+    if not ns.sources and not cfg.data.sources:
         raise ConfigError("titan data prepare: no sources (give SOURCE ... or --data.sources)")
-    spec = PrepareSpec(
-        sources=sources,
-        root=ns.out or base["root"],
-        tokenizer_path=ns.tokenizer or base["tokenizer_path"] or _default_tokenizer(),
-        text_field=ns.text_field or base["text_field"],
-        validation_every=given.get("validation_every", validation_every),
-    )
-    result = prepare(spec, workers=given.get("workers", workers))
+    options = {
+        "sources": tuple(ns.sources),
+        "root": ns.out,
+        "tokenizer_path": ns.tokenizer,
+        "text_field": ns.text_field,
+    }
+    options = {k: v for k, v in options.items() if v}
+    if "validation_every" in given:  # 0 (none held out) is a value
+        options["validation_every"] = given["validation_every"]
+    spec = spec_from_config(cfg, **options)
+    result = prepare(spec, workers=given.get("workers", cfg.data.workers))
     manifest = result.manifest
     total = sum(s.num_tokens for s in manifest.shards)
     if result.cached:
@@ -131,12 +119,6 @@ def _prepare(argv: list[str]) -> int:
         )
     print(result.url)
     return 0
-
-
-def _default_tokenizer() -> str:
-    from titan_core.data.assets import default_tokenizer_path
-
-    return str(default_tokenizer_path())
 
 
 def _info(argv: list[str]) -> int:

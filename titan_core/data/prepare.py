@@ -165,18 +165,19 @@ class PrepareResult:
     """Wall time of the call, planning included."""
 
 
-def spec_from_config(cfg: Any) -> PrepareSpec:
+def spec_from_config(cfg: Any, **given: Any) -> PrepareSpec:
     """The PrepareSpec of a JobConfig's ``[data]`` section (root defaults to <job.dump_folder>/data,
-    the tokenizer to the bundled one)."""
+    the tokenizer to the bundled one); the PrepareSpec fields ``given`` win."""
     from titan_core.data.assets import default_tokenizer_path
 
-    return PrepareSpec(
-        sources=tuple(cfg.data.sources),
-        tokenizer_path=cfg.tokenizer.path or str(default_tokenizer_path()),
-        root=cfg.data.root or f"{cfg.job.dump_folder.rstrip('/')}/data",
-        text_field=cfg.data.text_field,
-        validation_every=cfg.data.validation_every,
-    )
+    from_config = {
+        "sources": tuple(cfg.data.sources),
+        "tokenizer_path": cfg.tokenizer.path or str(default_tokenizer_path()),
+        "root": cfg.data.root or f"{cfg.job.dump_folder.rstrip('/')}/data",
+        "text_field": cfg.data.text_field,
+        "validation_every": cfg.data.validation_every,
+    }
+    return PrepareSpec(**(from_config | given))
 
 
 def dataset_fingerprint(spec: PrepareSpec, tokenizer_fingerprint: str) -> str:

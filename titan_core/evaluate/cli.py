@@ -73,12 +73,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _eval(argv: list[str]) -> int:
     init_logger()
-    parsed = COMMAND.parse(argv)
-    ns = parsed.options
+    ns, config_argv, values = parse_eval_args(argv)
     report = evaluate_checkpoint(
         ns.checkpoint,
-        config_argv=parsed.config.argv(),
-        values=COMMAND.alias_values(parsed),
+        config_argv=config_argv,
+        values=values,
         output=ns.output or None,
         hf_folder=ns.hf_folder,
     )
