@@ -23,7 +23,7 @@ from titan_core.pipeline.common import load_config, redact, run_logger
 from titan_core.pipeline.params import record_seed
 from titan_core.pipeline.storage import refresh, upload_folder
 from titan_core.pipeline.tracking import TrackingContext, log_config, stage_run
-from titan_core.pipeline.training import tag_stopped, trained_to
+from titan_core.pipeline.training import discard_late_stop, tag_stopped, trained_to
 from titan_core.stop_request import stopped_early
 
 # Fault-injection hooks (see titan_core/checkpoint/manager.py) model a transient failure: they
@@ -70,6 +70,7 @@ def train(config_url: str, seed_url: str = "", tracking: TrackingContext | None 
         launcher = get_launcher(cfg.launch)
         logger.info("Launching (%s): %s", cfg.launch.backend, redact(launcher.render(spec)))
         result = launcher.run(spec, on_line=lambda line: logger.info(redact(line)))
+    discard_late_stop(cfg.job.dump_folder)  # the train run has ended: no more requests
     refresh(folder)  # the ranks wrote the checkpoints: drop this process's cached listings
     record = stopped_early(cfg.job.dump_folder)
     step, stop = trained_to(complete_steps(folder), cfg.training.steps, record, redact(folder))

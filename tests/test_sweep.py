@@ -131,12 +131,12 @@ def test_bad_sweeps_are_one_line(kwargs: dict[str, Any], message: str) -> None:
         (["--grid", "training.steps=2", "--trials", "3"], "--trials: counts random draws"),
         # Resolved per trial before any runs: the trial and its key are named.
         (["--grid", "training.steps=2,0"], "trial-2 steps=0: training.steps: expected"),
-        (["--grid", "training.steps=2", "--concurrency", "0"], "sweep.concurrency: expected"),
+        (["--grid", "training.steps=2", "--concurrency", "0"], "--concurrency: expected"),
         (["--grid", "training.steps=2", "--training.stepz", "3"], "training.stepz"),
         (["--grid", "training.steps=2", "--early-stop-window", "2"], "give --early-stop too"),
         (
             ["--grid", "training.steps=2", "--early-stop", "--early-stop-min-trials", "0"],
-            "sweep.early_stop.min_trials: input should be greater than or equal to 1, got 0",
+            "--early-stop-min-trials: input should be greater than or equal to 1, got 0",
         ),
     ],
 )
@@ -320,8 +320,9 @@ def _trial_runs(client: Any, tracking: Any, plan: Any, index: int, **state: Any)
 def test_monitor_asks_only_trials_still_training_to_stop(tmp_path: Path) -> None:
     """``TrialMonitor.poll`` on a real MLflow store (SQLite) laid out as a sweep's runs: it asks
     the clearly worse trial that is still training, and no trial whose training is over (its
-    train run ended while its pipeline exports and evaluates, or its last log step is its
-    last step) or already asked; it leaves the MLflow tags to the train task."""
+    train run ended while its pipeline exports and evaluates, or its next log step, where its
+    trainer would look for the request, is its last step) or already asked; it sets no MLflow
+    tags (the train task tags a trial that really stopped)."""
     from mlflow import MlflowClient
 
     from titan_core.config.resolve import resolve_job
@@ -330,19 +331,27 @@ def test_monitor_asks_only_trials_still_training_to_stop(tmp_path: Path) -> None
     from titan_core.pipeline.sweep_tracking import start_sweep_run
     from titan_core.stop_request import pending_stop
 
-    base = {"job.dump_folder": str(tmp_path / "runs"), "tracking.uri": f"sqlite:///{tmp_path}/m.db"}
-    grid = {"training.steps": [60, 100, 101, 102, 103]}
+    base = {
+        "job.dump_folder": str(tmp_path / "runs"),
+        "tracking.uri": f"sqlite:///{tmp_path}/m.db",
+        "metrics.log_freq": 10,
+    }
+    grid = {"training.steps": [60, 110, 101, 102, 100]}
     plan = plan_sweep("s1", RECIPE, "", base, grid=grid)
     tracking = start_sweep_run(resolve_job(RECIPE, "", base), plan)
     client = MlflowClient(tracking.uri)
-    good = {s: 2.0 for s in range(10, 61, 10)}
-    bad = {s: 5.0 for s in range(10, 104)}
+
+    def losses(loss: float, last: int) -> dict[int, float]:
+        return {s: loss for s in range(10, last + 1, 10)}
+
     layout = {
-        1: {"pipeline": "FINISHED", "train": "FINISHED", "losses": good},  # a peer, to 60
-        2: {"pipeline": "RUNNING", "train": "RUNNING", "losses": good},
-        3: {"pipeline": "RUNNING", "train": "RUNNING", "losses": dict(list(bad.items())[:40])},
-        4: {"pipeline": "RUNNING", "train": "FINISHED", "losses": dict(list(bad.items())[:93])},
-        5: {"pipeline": "RUNNING", "train": "RUNNING", "losses": bad},  # logged step 103 of 103
+        1: {"pipeline": "FINISHED", "train": "FINISHED", "losses": losses(2, 60)},  # a peer
+        2: {"pipeline": "RUNNING", "train": "RUNNING", "losses": losses(2, 60)},  # not worse
+        3: {"pipeline": "RUNNING", "train": "RUNNING", "losses": losses(5, 50)},  # of 101
+        # Worse and far from its 102 steps, but its training is over: exporting, evaluating.
+        4: {"pipeline": "RUNNING", "train": "FINISHED", "losses": losses(5, 50)},
+        # Worse, logged step 90 of 100: its next log step is its last, where no one looks.
+        5: {"pipeline": "RUNNING", "train": "RUNNING", "losses": losses(5, 90)},
     }
     for index, state in layout.items():
         _trial_runs(client, tracking, plan, index, **state)
@@ -352,11 +361,15 @@ def test_monitor_asks_only_trials_still_training_to_stop(tmp_path: Path) -> None
     def asked() -> dict[int, str | None]:
         return {t.index: pending_stop(plan.run_root(t)) for t in plan.trials}
 
+    def tags() -> dict[str, dict[str, str]]:
+        runs = client.search_runs([tracking.experiment_id])
+        return {r.info.run_id: r.data.tags for r in runs}
+
+    before = tags()
     monitor.poll()
-    reason = "training loss 5.0000 at step 49 is worse than the median 3.5000 of 4 other trials"
+    reason = "training loss 5.0000 at step 50 is worse than the median 3.5000 of 4 other trials"
     assert asked() == {1: None, 2: None, 3: reason, 4: None, 5: None}
-    pipeline_runs = client.search_runs([tracking.experiment_id], "tags.`titan.stage` = 'pipeline'")
-    assert not any("titan.stop_reason" in r.data.tags for r in pipeline_runs)
+    assert tags() == before
     # Asked once: the trainer consumed the request, the next poll does not ask again.
     Path(plan.run_root(plan.trials[2]), "stop-requested").unlink()
     monitor.poll()
@@ -565,10 +578,12 @@ def test_early_stopping_stops_the_clearly_worse_trial(
     prefect_harness: Path, tmp_path: Path
 ) -> None:
     """Two trials side by side: the second (a learning rate too small to learn) is judged
-    against the first at every log step from step 5 on and stopped long before its end; it
-    still exports and evaluates what it trained, and the first one is the best. (A monitor
-    that never stops it makes the test run the bad trial's steps, then fail; the monitor's
-    cases are ``test_monitor_asks_only_trials_still_training_to_stop``.)"""
+    against the first at every log step from step 10 on and stopped long before its end; it
+    still exports and evaluates what it trained, and the first one is the best. Both trials
+    are judged; the rule (a mean of 3 log steps, a 5% margin, past warmup) stops only the
+    clearly worse one: the good trial's losses are ~10% below the bad one's from step 10 on.
+    (A monitor that never stops it makes the test run the bad trial's steps, then fail; the
+    monitor's cases are ``test_monitor_asks_only_trials_still_training_to_stop``.)"""
     from mlflow import MlflowClient
 
     from flows.sweep import sweep
@@ -587,7 +602,8 @@ def test_early_stopping_stops_the_clearly_worse_trial(
         "evaluate.batches": 1,
         "metrics.log_freq": 5,  # fewer MLflow batches: its live curve lags training less
     }
-    rule = {"enable": True, "min_steps": 5, "min_trials": 1, "window": 2, "poll_seconds": 0.2}
+    rule = {"enable": True, "min_steps": 10, "min_trials": 1, "window": 3, "margin": 0.05}
+    rule["poll_seconds"] = 0.2
     state, _ = run_flow(
         sweep,
         recipe=RECIPE,
@@ -600,7 +616,7 @@ def test_early_stopping_stops_the_clearly_worse_trial(
     result = state.result()
     good, bad = result.trials
     assert (good.status, good.steps, good.stopped_at) == ("completed", steps, None)
-    assert bad.status == "stopped" and 5 <= bad.stopped_at < steps, bad
+    assert bad.status == "stopped" and 10 <= bad.stopped_at < steps, bad
     assert bad.steps == bad.stopped_at and bad.metric is not None and bad.model_version
     assert result.best == good and result.stopped == (bad,) and not result.failed
     assert f"stopped at step {bad.stopped_at}" in format_table(result)

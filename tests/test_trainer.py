@@ -492,6 +492,46 @@ def test_an_unreadable_stop_request_is_no_request(
     assert len(failed) == 1 and failed[0].levelname == "WARNING", caplog.text
 
 
+def test_a_stop_request_after_the_last_log_step_is_dropped(
+    tmp_path: Path, assets: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request that comes after the job's last look (log step 2 of 4) does not stop it: the
+    job completes, deletes the request and leaves no record, so a later run trains on; the
+    train task does the same with one that came while the job was saving and exiting."""
+    from titan_core.logging import logger
+    from titan_core.pipeline.training import discard_late_stop
+    from titan_core.stop_request import request_stop, stopped_early
+    from titan_core.trainer import Trainer
+
+    class StopAtEnd:
+        """A sink that asks the job to stop when it logs its last step."""
+
+        def log(self, step: int, metrics: dict[str, float]) -> None:
+            if step == 4:
+                request_stop(str(tmp_path), "too late")
+
+        def close(self) -> None:
+            pass
+
+    argv = _args(tmp_path, "--training.steps", "4", "--metrics.log_freq", "2")
+    logger.addHandler(caplog.handler)
+    try:
+        trainer = Trainer(parse_args([*argv, "--checkpoint.no_enable"]), [StopAtEnd()])
+        try:
+            history = trainer.train()
+        finally:
+            trainer.close()
+        assert [int(h["step"]) for h in history] == [1, 2, 4]
+        assert not (tmp_path / "stop-requested").exists() and stopped_early(str(tmp_path)) is None
+        assert "a stop request came after the last log step" in caplog.text
+        request_stop(str(tmp_path), "later still")
+        discard_late_stop(str(tmp_path))
+        assert not (tmp_path / "stop-requested").exists() and stopped_early(str(tmp_path)) is None
+        assert "A stop request came after training's last log step: discarded" in caplog.text
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
 @pytest.mark.multiprocess
 def test_stop_request_stops_every_rank_of_a_torchrun_job(tmp_path: Path, assets: Path) -> None:
     from titan_core.stop_request import StopRecord, request_stop, stopped_early

@@ -7,18 +7,24 @@ reason. Rank 0 looks for it at every log step (``metrics.log_freq``) and broadca
 found, so all ranks stop at the same step. The trainer then consumes the request: it writes the
 record ``stopped-early`` (``{"step": N, "reason": ...}``) and deletes ``stop-requested``, so a
 later run in the same folder trains on normally. A request the job finds only after its last log
-step is dropped: the job completed anyway.
+step is dropped: the job completed anyway. ``StopRequests`` is the job's side of all this.
 """
 
 from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import fsspec
+import torch
+import torch.distributed as dist
 
 from titan_core import storage
+from titan_core.errors import first_line
+from titan_core.logging import logger
 
 STOP_REQUEST = "stop-requested"
 STOPPED_EARLY = "stopped-early"
@@ -85,3 +91,49 @@ def stopped_early(dump_folder: str) -> StopRecord | None:
     with fs.open(path, "r") as f:
         record = json.loads(f.read())
     return StopRecord(int(record["step"]), str(record["reason"]))
+
+
+class StopRequests:
+    """A training job's side of stop requests: rank 0 looks for one at log steps and every rank
+    gets its answer (a broadcast on the default process group), so all stop at the same step;
+    rank 0 consumes a request the job honoured and drops one that came after the last log step.
+    A storage error is logged (once per distinct error), never raised: the other ranks may be
+    waiting in the broadcast, and a transient error must not end the job."""
+
+    def __init__(self, dump_folder: str, is_rank0: bool, device: torch.device) -> None:
+        self.dump_folder, self.is_rank0, self.device = dump_folder, is_rank0, device
+        self._error = ""  # the last storage error, logged
+
+    def check(self) -> str | None:
+        """The reason of a pending request ("" on ranks other than 0), or None; rank 0 reads
+        the storage and broadcasts whether there is one."""
+        reason = self._on_storage(pending_stop) if self.is_rank0 else None
+        flag = torch.tensor(int(reason is not None), device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(flag, src=0)
+        return (reason or "") if flag.item() else None
+
+    def consume(self, step: int, reason: str) -> None:
+        """Log the stop honoured at ``step``; rank 0 turns the request into the
+        ``stopped-early`` record, so a later run in this folder trains on. Call it once the
+        stop's checkpoint is committed."""
+        logger.info("stopped early at step %d (stop requested)", step)
+        if self.is_rank0:
+            self._on_storage(record_stop, step, reason)
+
+    def drop_late(self) -> None:
+        """Rank 0 drops a request that came after the last log step: the job completed."""
+        if self.is_rank0 and self._on_storage(discard_stop_request):
+            logger.info("a stop request came after the last log step; training completed anyway")
+
+    def _on_storage(self, operation: Callable[..., Any], *args: Any) -> Any:
+        """``operation(dump_folder, *args)``, or None when the storage fails (logged)."""
+        try:
+            return operation(self.dump_folder, *args)
+        except Exception as e:  # fsspec backends raise more than OSError (S3 client errors)
+            if first_line(e) != self._error:
+                self._error = first_line(e)
+                logger.warning(
+                    "stop request: %s failed, going on: %s", operation.__name__, self._error
+                )
+            return None

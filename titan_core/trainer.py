@@ -11,7 +11,6 @@ import contextlib
 import gc
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,10 +46,9 @@ from titan_core.distributed import flight_recorder
 from titan_core.distributed import utils as dist_utils
 from titan_core.distributed.context_parallel import context_parallel_context, model_cp_buffers
 from titan_core.distributed.pipeline_parallel import ModelPartsView
-from titan_core.errors import first_line
 from titan_core.logging import init_logger, logger
 from titan_core.models import describe_model, get_model_spec
-from titan_core.stop_request import discard_stop_request, pending_stop, record_stop
+from titan_core.stop_request import StopRequests
 
 
 class Trainer:
@@ -133,7 +131,7 @@ class Trainer:
             self.checkpointer.hf_loader = load_hf_into_model
         self.extra_sinks = extra_sinks or []
         self.metrics: MetricsProcessor | None = None
-        self._storage_error = ""  # the last error of a stop-request file operation, logged
+        self.stop_requests = StopRequests(cfg.job.dump_folder, self.dist.is_rank0, self.device)
 
     # ------------------------------------------------------------------ building
     def _build_loader(
@@ -330,42 +328,6 @@ class Trainer:
                 loss *= self.parallel_dims.pp
         return loss.item()
 
-    def _stop_request(self) -> str | None:
-        """The reason of a request to stop this job (``titan_core.stop_request``; "" on ranks
-        other than 0), or None: rank 0 reads the request and broadcasts whether there is one,
-        so every rank stops at the same step."""
-        reason = self._on_storage(pending_stop) if self.dist.is_rank0 else None
-        flag = torch.tensor(int(reason is not None), device=self.device)
-        if self.dist.world_size > 1:
-            dist.broadcast(flag, src=0)
-        return (reason or "") if flag.item() else None
-
-    def _on_storage(self, operation: Callable[..., Any], *args: Any) -> Any:
-        """``operation(dump_folder, *args)`` on a stop-request file, or None when the storage
-        fails: logged (once per distinct error), never raised, since the other ranks may be
-        waiting in a collective and a transient error must not end the job."""
-        try:
-            return operation(self.cfg.job.dump_folder, *args)
-        except Exception as e:  # fsspec backends raise more than OSError (S3 client errors)
-            if first_line(e) != self._storage_error:
-                self._storage_error = first_line(e)
-                logger.warning(
-                    "stop request: %s failed, going on: %s", operation.__name__, first_line(e)
-                )
-            return None
-
-    def _stopped(self, step: int, reason: str) -> None:
-        """Log the honoured stop; rank 0 consumes the request into the ``stopped-early``
-        record, so a later run in this folder trains on."""
-        logger.info("stopped early at step %d (stop requested)", step)
-        if self.dist.is_rank0:
-            self._on_storage(record_stop, step, reason)
-
-    def _drop_late_request(self) -> None:
-        """Rank 0 drops a stop request that came after the last log step: the job completed."""
-        if self.dist.is_rank0 and self._on_storage(discard_stop_request):
-            logger.info("a stop request came after the last log step; training completed anyway")
-
     def _restore(self) -> int:
         step = self.train_state.step = self.checkpointer.load()
         if self.lr_scheduler.last_epoch != step:  # a model-only checkpoint has no schedule
@@ -461,7 +423,7 @@ class Trainer:
                     last = step == t.steps
                     # A requested stop makes this the final step: logged, validated and saved.
                     asked = not last and self.metrics.should_log(step)
-                    stop_reason = self._stop_request() if asked else None
+                    stop_reason = self.stop_requests.check() if asked else None
                     final = last or stop_reason is not None
                     # MoE: loss-free bias update from the batch-wide expert counts (every
                     # step, when on) and the load metrics (on log steps).
@@ -475,14 +437,15 @@ class Trainer:
                     if mem_profiler:
                         mem_profiler.step(step)
                     if stop_reason is not None:
-                        self._stopped(step, stop_reason)
+                        self.checkpointer.wait()  # the stop's save is committed before its record
+                        self.stop_requests.consume(step, stop_reason)
                         break
         finally:
             gc.enable()
             if mem_profiler:
                 mem_profiler.close()
         if self.train_state.step == t.steps:
-            self._drop_late_request()
+            self.stop_requests.drop_late()
         logger.info(
             "Training done at step %d; data skipped: %s",
             self.train_state.step,

@@ -2,7 +2,7 @@
 MLflow every ``poll_seconds`` and asks each clearly worse trial that is still training to stop
 (``early_stop.median_stop``), through the stop request in the trial's run root
 (``titan_core.stop_request``): its trainer saves and ends at its next log step, and its train
-task tags its pipeline run as stopped (a request that came too late changes nothing).
+task tags its pipeline run as stopped (and discards a request that came too late).
 
 Both sides go through what a sweep already shares with its trials, MLflow and the storage root,
 so trials on a work pool are watched too when their run roots are on shared storage. The
@@ -27,14 +27,15 @@ from titan_core.stop_request import request_stop
 _JOIN_TIMEOUT_S = 60.0  # a poll in flight when the sweep ends (one MLflow read per trial)
 
 
-def trial_steps(plan: SweepPlan) -> dict[int, int]:
-    """Each trial's ``training.steps`` (by trial index), as its config resolves."""
+def trial_steps(plan: SweepPlan) -> dict[int, tuple[int, int]]:
+    """Each trial's ``training.steps`` and ``metrics.log_freq`` (by trial index), as its config
+    resolves."""
     from titan_core.config.resolve import resolve_job
 
-    return {
-        t.index: resolve_job(plan.recipe, plan.config_file, plan.overrides(t)).training.steps
-        for t in plan.trials
+    jobs = {
+        t.index: resolve_job(plan.recipe, plan.config_file, plan.overrides(t)) for t in plan.trials
     }
+    return {index: (job.training.steps, job.metrics.log_freq) for index, job in jobs.items()}
 
 
 class TrialMonitor:
@@ -50,9 +51,9 @@ class TrialMonitor:
 
     def poll(self) -> None:
         """Read every trial once and ask those the rule picks to stop. A trial is judged only
-        while it trains (its train stage run is RUNNING) and has log steps left (its newest
-        logged step is short of its ``training.steps``): a request to a trial past that would
-        come too late to stop it."""
+        while it trains (its train stage run is RUNNING) and its trainer has a log step left
+        before its last step (where it looks for requests): a request to a trial past that
+        would come too late to stop it."""
         self._progress = trial_progress(self.tracking, self.plan, self._progress)
         for index, trial in sorted(self._progress.items()):
             if index in self._asked or not self._training(trial):
@@ -64,9 +65,12 @@ class TrialMonitor:
                 self._stop(trial, decision)
 
     def _training(self, trial: TrialProgress) -> bool:
-        """Whether ``trial`` is training and has log steps left (a stop can still act)."""
-        steps = self._steps[trial.index]
-        return trial.train_status == "RUNNING" and bool(trial.curve) and trial.curve[-1][0] < steps
+        """Whether ``trial`` is training and a stop can still act: the log step after its newest
+        logged one comes before its last step (the trainer looks for requests there only)."""
+        if trial.train_status != "RUNNING" or not trial.curve:
+            return False
+        steps, log_freq = self._steps[trial.index]
+        return (trial.curve[-1][0] // log_freq + 1) * log_freq < steps
 
     def _stop(self, trial: TrialProgress, decision: StopDecision) -> None:
         """Ask the trial's trainer to stop at its next log step. Its train task tags its

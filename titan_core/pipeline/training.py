@@ -1,12 +1,16 @@
 """What a pipeline run makes of a training job that exited cleanly: the step it reached, and,
-when it honoured a stop request (``titan_core.stop_request``), the MLflow tags saying so."""
+when it honoured a stop request (``titan_core.stop_request``), the MLflow tags saying so; a
+request the job never honoured is discarded."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from titan_core import storage
+from titan_core.errors import first_line
+from titan_core.pipeline.common import redact, run_logger
 from titan_core.pipeline.tracking import TrackingContext, client
-from titan_core.stop_request import StopRecord
+from titan_core.stop_request import STOP_REQUEST, StopRecord, discard_stop_request
 
 STOPPED_TAG = "titan.stopped_at"  # MLflow tag of a pipeline run whose training was stopped early
 REASON_TAG = "titan.stop_reason"  # ... and why (the stop request's text)
@@ -41,3 +45,18 @@ def tag_stopped(tracking: TrackingContext | None, stage_run_id: str, stop: StopR
         if run_id:
             mlflow_client.set_tag(run_id, STOPPED_TAG, str(stop.step))
             mlflow_client.set_tag(run_id, REASON_TAG, stop.reason)
+
+
+def discard_late_stop(dump_folder: str) -> None:
+    """Delete a stop request the finished job left in ``dump_folder`` (it came after the job's
+    last log step, or while the job saved and flushed its metrics), so that the next run in that
+    folder (a resume, ``--run-id`` with more steps) trains on instead of stopping at once.
+    Logged; a storage error is logged too, not raised (training is over)."""
+    try:
+        discarded = discard_stop_request(dump_folder)
+    except Exception as e:  # fsspec backends raise more than OSError (S3 client errors)
+        where = redact(storage.join(dump_folder, STOP_REQUEST))
+        run_logger().warning("Could not delete the stop request %s: %s", where, first_line(e))
+        return
+    if discarded:
+        run_logger().info("A stop request came after training's last log step: discarded")
