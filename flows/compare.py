@@ -18,6 +18,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.cli import DEFAULT_RECIPE
 from tasks.compare import compare_runs
 from titan_core.config.form import ConfigForm, flow_values
 from titan_core.pipeline.compare import Comparison, compare_target
@@ -26,7 +27,7 @@ from titan_core.pipeline.compare import Comparison, compare_target
 # Parameters are checked by flow_values/resolve_job (one-line errors), as in pretrain_pipeline.
 @flow(name="compare", log_prints=True, validate_parameters=False)
 def compare(
-    recipe: str = "",
+    recipe: str = DEFAULT_RECIPE,
     experiment: str = "",
     config: ConfigForm | None = None,
     overrides: dict[str, Any] | None = None,
@@ -40,7 +41,8 @@ def compare(
 
     Args:
         recipe: Registry recipe the runs were trained from (e.g. llama3_debugmodel): its output
-            root and experiment say where they are tracked; empty starts from the defaults.
+            root and experiment say where they are tracked; the default is pretrain_pipeline's,
+            so both default to the same store; empty starts from the defaults.
         experiment: MLflow experiment to compare; empty uses job.experiment of the config.
         config: Settings the runs were trained with, section by section; job.experiment,
             tracking.uri and job.dump_folder (whose mlflow.db is the default store) are read.

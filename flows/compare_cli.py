@@ -1,19 +1,11 @@
 """``titan compare``: run the ``compare`` flow and print its table.
 
-    titan compare [--config RECIPE [--module FAMILY]] [--config-file F] [--experiment NAME]
-                  [--runs ID_OR_NAME ...] [--max-runs N] [--log | --parent-run-id RUN_ID] [--json]
-                  [--section.field value ...]   # e.g. --tracking.uri URI --job.dump_folder DIR
+    titan compare [CONFIG ARGUMENTS] [--experiment NAME] [--runs ID_OR_NAME ...] [--max-runs N]
+                  [--log | --parent-run-id RUN_ID] [--json]
 
-The experiment and the MLflow store are those of the config, resolved as ``titan pipeline run``
-resolves it (without --config or --config-file the recipe is llama3_debugmodel): job.experiment
-(--experiment is an alias), and tracking.uri, else MLFLOW_TRACKING_URI, else the output root's
-mlflow.db. So the config arguments a pipeline ran with find its runs.
-
-It prints the table; ``--log`` also records the comparison (loss-curve PNG, markdown with the
-image embedded, JSON) as an MLflow run of the experiment, ``--parent-run-id`` nests that run
-under another. Without either, MLflow is only read.
-
-Prefect is imported only after its environment is prepared (as for ``titan pipeline``): a
+``COMMAND``'s description (its ``--help``) says where the runs are read and what is recorded.
+The store, the experiment and the runs are checked before Prefect is imported, so bad input is
+one ``error:`` line; then Prefect's environment is prepared (as for ``titan pipeline``): a
 project-local ``PREFECT_HOME`` unless one is set, analytics off.
 """
 
@@ -24,10 +16,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from flows.cli import RENAMED_FLAGS, flow_kwargs, prepare_prefect_env
+from flows.cli import DEFAULT_RECIPE, RENAMED_FLAGS, flow_kwargs, prepare_prefect_env
 from titan_core.config.command import Command, default, run
 from titan_core.errors import ConfigError
-from titan_core.pipeline.compare import compare_target, open_experiment
+from titan_core.pipeline.compare import compare_target, open_experiment, select_runs
 
 
 @dataclass(kw_only=True)
@@ -51,7 +43,13 @@ class CompareOptions:
 COMMAND = Command(
     "titan compare",
     CompareOptions,
-    __doc__ or "",
+    f"Run the compare flow and print its table. The runs are those a pipeline run of the config "
+    f"records (without --config or --config-file the recipe is {DEFAULT_RECIPE}): experiment "
+    "job.experiment (--experiment is an alias), in the MLflow store tracking.uri, else "
+    "MLFLOW_TRACKING_URI, else <job.dump_folder>/mlflow.db. --log also records the comparison "
+    "(loss-curve PNG, markdown with the image embedded, JSON) as an MLflow run of the "
+    "experiment, --parent-run-id nests that run under another; without either, MLflow is only "
+    "read.",
     aliases={"experiment": "job.experiment"},
     renamed=RENAMED_FLAGS,
 )
@@ -64,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _compare(argv: list[str]) -> int:
-    """Resolve the config, check its store has the experiment, then run the flow."""
+    """Resolve the config, check its store has the experiment and the runs, then run the flow."""
     parsed = COMMAND.parse(argv)
     ns = parsed.options
     if ns.max_runs < 1:
@@ -72,7 +70,9 @@ def _compare(argv: list[str]) -> int:
     kwargs = flow_kwargs(parsed.config)
     kwargs["overrides"] |= COMMAND.alias_values(parsed)
     experiment, uri = compare_target(kwargs["recipe"], kwargs["config_file"], kwargs["overrides"])
-    open_experiment(experiment, uri)  # one line before Prefect starts: no store, no experiment
+    # One line before Prefect starts: no store, no experiment, an unknown run, no runs.
+    client, experiment_id = open_experiment(experiment, uri)
+    select_runs(client, experiment_id, experiment, ns.runs, ns.max_runs)
     prepare_prefect_env()
     from flows.compare import compare
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.cli import DEFAULT_RECIPE
 from flows.config import run_config
 from flows.naming import current_run_id, name_flow_run, run_id_name, run_tags
 from tasks.convert import convert_to_hf
@@ -111,7 +112,7 @@ def run_tracked(
 # are one line naming the key (a deployment's server has checked them against the schema too).
 @flow(name="pretrain_pipeline", flow_run_name=run_id_name, validate_parameters=False)
 def pretrain_pipeline(
-    recipe: str = "llama3_debugmodel",
+    recipe: str = DEFAULT_RECIPE,
     config: ConfigForm | None = None,
     overrides: dict[str, Any] | None = None,
     config_file: str = "",

@@ -17,6 +17,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.cli import DEFAULT_RECIPE
 from flows.config import run_config
 from flows.naming import current_run_id, name_flow_run, run_id_name, run_tags
 from flows.pipeline import prepare_stage, run_tracked, train_and_publish
@@ -35,7 +36,7 @@ from titan_core.pipeline.tracking import TrackingContext
 @flow(name="retrain", flow_run_name=run_id_name, validate_parameters=False)
 def retrain(
     steps: int = 100,
-    recipe: str = "",
+    recipe: str = DEFAULT_RECIPE,
     experiment: str = "",
     config: ConfigForm | None = None,
     overrides: dict[str, Any] | None = None,
@@ -54,7 +55,8 @@ def retrain(
         steps: Steps to train past the newest checkpoint.
         recipe: Registry recipe the line was started with (e.g. llama3_debugmodel): its output
             root (and so its default MLflow store) and experiment locate the line; its other
-            settings are not used (those are the previous run's); empty: the defaults' root,
+            settings are not used (those are the previous run's); the default is
+            pretrain_pipeline's, so both default to the same line; empty: the defaults' root,
             ./outputs.
         experiment: Model line to continue (<job.dump_folder>/<experiment>/); empty uses
             job.experiment of the config.

@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.cli import DEFAULT_RECIPE
 from flows.naming import current_run_id, name_flow_run, run_id_name
 from tasks.sweep import compare_trials, start_sweep_tracking
 from titan_core.config.form import ConfigForm, flow_values
@@ -122,7 +123,7 @@ def run_trials(plan: SweepPlan, parent_run_id: str, deployment: str) -> list[Tri
 
 @flow(name="sweep", flow_run_name=run_id_name, validate_parameters=False)
 def sweep(
-    recipe: str = "llama3_debugmodel",
+    recipe: str = DEFAULT_RECIPE,
     config: ConfigForm | None = None,
     overrides: dict[str, Any] | None = None,
     grid: dict[str, list[Any]] | None = None,

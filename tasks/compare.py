@@ -17,8 +17,8 @@ from titan_core.pipeline.compare import Comparison, compare_experiment
 )
 def compare_runs(
     experiment: str,
-    run_ids: list[str] | None = None,
-    tracking_uri: str = "",
+    run_ids: list[str] | None,
+    tracking_uri: str,
     max_runs: int = 10,
     log: bool = False,
     parent_run_id: str = "",

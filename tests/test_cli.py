@@ -142,6 +142,26 @@ def test_help_lists_own_options(row: Row, capsys) -> None:
         assert "Config arguments" not in out and "Config overrides" not in out
 
 
+@pytest.mark.parametrize("words", [["compare"], ["pipeline", "run"], ["data", "prepare"]])
+def test_description_does_not_repeat_the_config_note(words: list[str], capsys) -> None:
+    """The config arguments are the note's to describe: the command's own text (no synopsis of
+    them) names none of them again."""
+    assert titan_main([*words, "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    description = out.split("╭")[0].replace(" ".join(CONFIG_NOTE.split()), "")
+    assert len(description) < len(out.split("╭")[0])  # the note was there
+    repeats = r"--module|--section\.field|--config RECIPE|--config-file PATH|\[--config"
+    assert not re.findall(repeats, description), description
+
+
+def test_notes_differ_in_where_the_keys_are_listed() -> None:
+    """KEYS_NOTE is CONFIG_NOTE pointing at the keys listed below instead of titan config."""
+    assert CONFIG_NOTE.endswith(" (titan config --help lists them all).")
+    assert KEYS_NOTE.endswith(" (listed below, with the defaults of --config RECIPE).")
+    same = CONFIG_NOTE.removesuffix(" (titan config --help lists them all).")
+    assert KEYS_NOTE.startswith(same) and same.endswith("--section.field VALUE of the job config")
+
+
 @pytest.mark.parametrize("words", [["train"], ["config"]])
 def test_help_lists_the_keys_with_the_recipes_defaults(words: list[str], capsys) -> None:
     assert titan_main([*words, "--config", "llama3_debugmodel_tiny", "--help"]) == 0

@@ -61,7 +61,7 @@ def test_compare_table_differing_keys_and_plot(tracking: tuple[str, dict], tmp_p
     client = MlflowClient(uri)
     exp_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
     before = {r.info.run_id for r in client.search_runs([exp_id])}
-    result = compare_experiment(EXPERIMENT, tracking_uri=uri, log=True)
+    result = compare_experiment(EXPERIMENT, None, uri, log=True)
     by_name = {row["run"]: row for row in result.runs}
     summary = {
         name: summarize_run(client, client.get_run(run_id)) for name, (run_id, *_) in runs.items()
@@ -101,9 +101,9 @@ def test_compare_table_differing_keys_and_plot(tracking: tuple[str, dict], tmp_p
     assert "data:image" not in result.table_markdown and "`optimizer.lr`" in result.table_markdown
 
     # The comparison run itself is never compared; chosen runs by name keep their order.
-    again = compare_experiment(EXPERIMENT, ["lr-low", runs["lr-high"][0]], tracking_uri=uri)
+    again = compare_experiment(EXPERIMENT, ["lr-low", runs["lr-high"][0]], uri)
     assert [r["run"] for r in again.runs] == ["lr-low", "lr-high"]
-    newest = compare_experiment(EXPERIMENT, tracking_uri=uri, max_runs=1)
+    newest = compare_experiment(EXPERIMENT, None, uri, max_runs=1)
     assert [r["run"] for r in newest.runs] == ["lr-low"]
     # Unlogged comparisons leave the experiment alone: one run was added, by log=True.
     assert again.compare_run_id == newest.compare_run_id == "" and _embedded_png(again.markdown)
@@ -134,14 +134,14 @@ def test_compare_bad_input_is_one_line(
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))  # `titan compare` sets it
     monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     with pytest.raises(ConfigError) as missing:
-        compare_experiment("no-such-experiment", tracking_uri=uri)
+        compare_experiment("no-such-experiment", None, uri)
     assert str(missing.value).startswith(
         f"job.experiment: no MLflow experiment named 'no-such-experiment' in {uri}"
     )
     with pytest.raises(ConfigError, match=r"^compare\.runs: no run nope"):
-        compare_experiment(EXPERIMENT, ["nope"], tracking_uri=uri)
+        compare_experiment(EXPERIMENT, ["nope"], uri)
     with pytest.raises(ConfigError, match=r"^compare\.runs: no run train"):  # a stage's name
-        compare_experiment(EXPERIMENT, ["train"], tracking_uri=uri)
+        compare_experiment(EXPERIMENT, ["train"], uri)
     # A tracking server that does not answer: a one-line error before Prefect starts.
     code = titan_main(
         ["compare", "--experiment", EXPERIMENT, "--tracking.uri", "http://127.0.0.1:9"]
@@ -166,6 +166,18 @@ def test_compare_bad_input_is_one_line(
     assert code == 2 and err == (
         "error: --tracking-uri: now the config key --tracking.uri; use --tracking.uri VALUE"
     )
+    # An unknown run, an experiment without runs: checked before Prefect starts (nothing of it
+    # runs: no log lines, no PREFECT_HOME created).
+    MlflowClient(uri).create_experiment("empty")
+    for args, message in [
+        (["--experiment", EXPERIMENT, "--runs", "lr-low", "nope"], "compare.runs: no run nope in "
+         f"experiment {EXPERIMENT!r} (expected run ids or run names)"),
+        (["--experiment", "empty"], "job.experiment: experiment 'empty' has no runs"),
+    ]:  # fmt: skip
+        code = titan_main(["compare", *args, "--tracking.uri", uri])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "" and err == f"error: {message}\n"
+    assert not (tmp_path / "prefect").exists()
 
 
 def test_compare_with_the_pipelines_recipe_reads_its_default_store(

@@ -170,9 +170,11 @@ def test_evaluate_section_defaults_and_round_trips(tmp_path: Path) -> None:
 def test_config_flows_take_the_config_the_same_way() -> None:
     """pretrain_pipeline, retrain, sweep and compare take the config alike: a recipe name, the
     typed ``config`` form (one definition, the same for all), ``overrides`` and ``config_file``,
-    each described; compare finds the store from them (no tracking_uri parameter)."""
+    each described, with the same default recipe; compare finds the store from them (no
+    tracking_uri parameter)."""
     from prefect.utilities.callables import parameter_schema
 
+    from flows.cli import DEFAULT_RECIPE
     from flows.compare import compare
     from flows.pipeline import pretrain_pipeline
     from flows.retrain import retrain
@@ -188,6 +190,8 @@ def test_config_flows_take_the_config_the_same_way() -> None:
         assert {"recipe", "config", "overrides", "config_file"} <= set(params), name
         assert all(p.get("description") for p in params.values()), name
         assert params["recipe"]["type"] == "string", name
+        # One default recipe: retrain and compare default to the line and store pretrain writes.
+        assert params["recipe"]["default"] == DEFAULT_RECIPE, name
         assert params["config"]["anyOf"][0] == {"$ref": "#/definitions/ConfigForm"}, name
         assert {k: schema["definitions"][k] for k in forms} == forms, name
         assert params["overrides"]["anyOf"][0]["type"] == "object", name

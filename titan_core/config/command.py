@@ -51,16 +51,14 @@ from titan_core.errors import ConfigError, TitanError
 T = TypeVar("T")
 Main = Callable[[list[str]], int]
 
-CONFIG_NOTE = (
+_CONFIG_ARGS = (
     "Config arguments are accepted too: --module FAMILY --config RECIPE (a registry recipe; "
     "--module is optional), --config-file PATH (a TOML job config, the same as "
-    "--job.config-file) and every --section.field VALUE of the job config (titan config --help "
-    "lists them all)."
+    "--job.config-file) and every --section.field VALUE of the job config"
 )
+CONFIG_NOTE = f"{_CONFIG_ARGS} (titan config --help lists them all)."
 # The note of a command whose --help lists the config keys itself (``Command.config_help``).
-KEYS_NOTE = CONFIG_NOTE.replace(
-    "(titan config --help lists them all)", "(listed below, with the defaults of --config RECIPE)"
-)
+KEYS_NOTE = f"{_CONFIG_ARGS} (listed below, with the defaults of --config RECIPE)."
 OVERRIDES_NOTE = (
     "Config overrides are accepted too: every --section.field VALUE of the job config (titan "
     "config --help lists them all)."

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from titan_core.config.job import JobConfig
 from titan_core.errors import ConfigError
 from titan_core.pipeline.common import public_url
 from titan_core.pipeline.report import markdown_image, mlflow_image
@@ -94,11 +93,6 @@ class Comparison:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data."""
         return asdict(self)
-
-
-def default_tracking_uri() -> str:
-    """``MLFLOW_TRACKING_URI`` when set, else the pipeline's default (``./outputs/mlflow.db``)."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or resolve_tracking_uri(JobConfig())
 
 
 def compare_target(
@@ -347,23 +341,22 @@ def _log_comparison(
 
 def compare_experiment(
     experiment: str,
-    run_ids: list[str] | None = None,
-    tracking_uri: str = "",
+    run_ids: list[str] | None,
+    tracking_uri: str,
     max_runs: int = 10,
     *,
     log: bool = False,
     parent_run_id: str = "",
 ) -> Comparison:
-    """Compare runs of ``experiment``; the markdown embeds the loss-curve PNG.
+    """Compare runs of ``experiment`` in the store at ``tracking_uri`` (``compare_target`` says
+    which); the markdown embeds the loss-curve PNG.
 
     ``log`` records the comparison as an MLflow run of the experiment; ``parent_run_id`` does
-    too, nested under that run. An empty ``tracking_uri`` means ``MLFLOW_TRACKING_URI``, else
-    the pipeline's default.
+    too, nested under that run.
     """
     if max_runs < 1:
         raise ConfigError(f"compare.max_runs: expected an int >= 1, got {max_runs}")
-    uri = tracking_uri or default_tracking_uri()
-    client, experiment_id = open_experiment(experiment, uri)
+    client, experiment_id = open_experiment(experiment, tracking_uri)
     chosen = select_runs(client, experiment_id, experiment, list(run_ids or []), max_runs)
     runs = [summarize_run(client, r) for r in chosen]
     diff = differing_params(runs)
@@ -371,7 +364,7 @@ def compare_experiment(
         png = plot_loss_curves(runs, os.path.join(tmp, PLOT_NAME), f"{experiment}: training loss")
         result = Comparison(
             experiment=experiment,
-            tracking_uri=public_url(uri),  # shown and stored: no credentials
+            tracking_uri=public_url(tracking_uri),  # shown and stored: no credentials
             runs=[r.row() for r in runs],
             differing_params=diff,
             compare_run_id="",
