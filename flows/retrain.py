@@ -58,7 +58,7 @@ def retrain(
             settings are not used (those are the previous run's); the default is
             pretrain_pipeline's, so both default to the same line; empty: the defaults' root,
             ./outputs.
-        experiment: Model line to continue (<job.dump_folder>/<experiment>/); empty uses
+        experiment: Model line to continue (`<job.dump_folder>/<experiment>/`); empty uses
             job.experiment of the config.
         config: Settings changed for the new run, section by section (job.dump_folder, the
             output root, and tracking.uri also say where the model line lives, over the
