@@ -8,7 +8,8 @@ A backend turns a ``LaunchSpec`` into processes (``local``: one ``torchrun`` on 
 torchrun`` on every node), streams their output line by line to ``on_line`` while they run,
 and either returns a ``LaunchResult`` or raises a ``LaunchError`` that says in one line what
 went wrong and whether a relaunch could help (``retryable``). New backends register with
-``register_backend``.
+``register_backend``; they build on ``torchrun`` (the torchrun command line and the job's
+environment) and ``supervise`` (running and stopping agent processes).
 """
 
 from __future__ import annotations

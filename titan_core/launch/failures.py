@@ -12,6 +12,9 @@ import re
 import signal
 from collections.abc import Sequence
 
+# The last lines of a job's output that a backend keeps for ``describe_failure``: enough to hold
+# torchrun's failure report and the rank's last error.
+TAIL_LINES = 400
 USER_ERROR_EXIT = 2  # titan_core.train: a TitanError (bad config, missing data)
 # titan_core.train exits 3 on a CommError (a collective failed: dead or stuck peer), retryable.
 _ROOT_CAUSE_RE = re.compile(r"Root Cause")

@@ -1,13 +1,9 @@
-"""The ``slurm`` backend: an sbatch job that runs ``srun torchrun`` on every node.
+"""The ``slurm`` backend: submit the batch script (``slurm_script``), follow the job to its end.
 
-``render`` writes the batch script ``run`` submits (``titan launch --dry-run`` prints it): one
-srun task per node, each a torchrun agent; the c10d rendezvous is hosted on the first node of
-the allocation (its ``NodeAddr``) at ``launch.slurm.rdzv_port_base + job id % 1000``, so jobs
-whose nodes share an address do not collide. ``run`` submits with ``sbatch --parsable``, polls
-``squeue`` every ``launch.slurm.poll_seconds`` (never ``sbatch --wait``), streams the job's
-output file as it grows, maps the final job state (``scontrol show job``) to a result or a
-one-line ``LaunchError`` that names the state, and cancels the job (``scancel``) if the caller is
-interrupted or times out.
+``run`` submits with ``sbatch --parsable``, polls ``squeue`` every ``launch.slurm.poll_seconds``
+(never ``sbatch --wait``), streams the job's output file as it grows, maps the final job state
+(``scontrol show job``) to a result or a one-line ``LaunchError`` that names the state, and
+cancels the job (``scancel``) if the caller is interrupted or times out.
 
 The job inherits the submitting environment (``--export=ALL``): credentials and the spec's
 ``env`` travel that way and are never written into the script. The nodes must see this
@@ -21,10 +17,8 @@ import codecs
 import collections
 import os
 import re
-import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,31 +26,22 @@ from pathlib import Path
 
 from titan_core.config.job import Launch
 from titan_core.errors import ConfigError
+from titan_core.launch import slurm_script
 from titan_core.launch.failures import (
+    TAIL_LINES,
     USER_ERROR_RE,
     LaunchError,
     describe_failure,
     signal_name,
 )
-from titan_core.launch.local import (
-    TAIL_LINES,
-    job_environment,
-    launcher_variables,
-    rank_filter,
-    terminate_on_sigterm,
-    torchrun_args,
-)
 from titan_core.launch.spec import LaunchResult, LaunchSpec, LineCallback
+from titan_core.launch.supervise import terminate_on_sigterm
+from titan_core.launch.torchrun import job_environment, rank_filter
 from titan_core.logging import logger
 
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel")
-# srun runs this on every node: "$0" is python, "$@" torchrun's options, module and arguments.
-_HOST_ON_NODE_0 = 'exec "$0" "$1" "$2" --rdzv_conf=is_host=$((SLURM_NODEID == 0)) "${@:3}"'
 _OUTPUT_POLL_S = 0.5  # how often the output file is read between squeue polls
 _SRUN_TASK_RE = re.compile(r"srun: error: (?P<node>\S+): task (?P<task>\d+): (?P<what>.+)$")
-_USER_ERROR_RE = re.compile(
-    r"(?:^|\]:?\s*)error: "
-)  # how often the output file is read between squeue polls
 _CLIENT_TIMEOUT_S = 60.0
 _TIMED_OUT = 124  # the returncode _client gives a client that did not answer in time
 _MAX_QUERY_FAILURES = 30  # squeue failures in a row before the job counts as lost
@@ -109,132 +94,23 @@ class SlurmLauncher:
                 "login node), not found"
             )
 
-    # ------------------------------------------------------------------ script
     def render(self, spec: LaunchSpec) -> str:
         """The batch script for ``spec`` (paths resolved as ``run`` would)."""
-        launch = spec.launch
-        log_dir = self._log_dir(spec)
-        workdir = os.path.abspath(spec.cwd or os.getcwd())
-        for what, path in (("log folder", log_dir), ("working directory", workdir)):
-            if re.search(r"[\s#]", path):
-                raise ConfigError(
-                    f"launch.backend: slurm cannot use a {what} with whitespace or '#' in its "
-                    f"path (#SBATCH lines do not quote), got {path!r}"
-                )
-        slurm = launch.slurm
-        python = slurm.python or sys.executable
-        header = [
-            "#!/bin/bash",
-            f"#SBATCH --job-name={slurm.job_name}",
-            f"#SBATCH --nodes={launch.nnodes}",
-            "#SBATCH --ntasks-per-node=1",
-            f"#SBATCH --time={slurm.time_limit}",
-            f"#SBATCH --output={log_dir.replace('%', '%%')}/slurm-%j.out",
-            f"#SBATCH --chdir={workdir}",
-            "#SBATCH --export=ALL",
-            "#SBATCH --no-requeue",  # relaunching (and resuming) is the caller's decision
-        ]
-        if slurm.partition:
-            header.append(f"#SBATCH --partition={slurm.partition}")
-        if slurm.account:
-            header.append(f"#SBATCH --account={slurm.account}")
-        header += [f"#SBATCH {_long_option(arg)}" for arg in slurm.sbatch_args]
-        body = [
-            "# Rendered by titan_core.launch (backend slurm); `titan launch --dry-run` prints it.",
-            "set -eo pipefail",
-        ]
-        if spec.env:
-            body.append(f"# From the submitting environment: {' '.join(sorted(spec.env))}")
-        body += list(slurm.setup)
-        body.append("set -u")  # after the site's setup lines (some activate scripts trip on -u)
-        if spec.env_unset:
-            body.append(f"unset {' '.join(sorted(spec.env_unset))}")
-        exports = [f"{k}={shlex.quote(v)}" for k, v in launcher_variables(launch).items()]
-        body.append(f"export {' '.join(exports)}")
-        body.append(f"log_dir={shlex.quote(log_dir)}")
-        if launch.rdzv_endpoint:
-            body.append(f"rdzv_endpoint={shlex.quote(launch.rdzv_endpoint)}")
-        else:
-            body += [
-                'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
-                'head_addr=$(scontrol show node "$head_node" | '
-                "sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
-                f"rdzv_endpoint=${{head_addr:-$head_node}}:"
-                f"$(({slurm.rdzv_port_base} + SLURM_JOB_ID % 1000))",
-            ]
-        body.append(
-            'echo "titan: job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST), '
-            'rendezvous $rdzv_endpoint"'
-        )
-        opts = torchrun_args(
-            launch,
-            nnodes=launch.nnodes,
-            endpoint="$rdzv_endpoint",
-            rdzv_id="$SLURM_JOB_ID",
-            log_dir="$log_dir/torchrun-$SLURM_JOB_ID",
-            local_ranks_filter=False,  # every node's ranks; run() picks launch.log_ranks
-        )
-        srun = [
-            "srun",
-            f"--nodes={launch.nnodes}",
-            "--ntasks-per-node=1",
-            "--kill-on-bad-exit=1",
-            # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): pass it on.
-            "${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}",
-        ]
-        if not launch.rdzv_endpoint:
-            # The head node's agent hosts the rendezvous store: torchrun's own guess compares
-            # the endpoint with the addresses the hostname resolves to, and misses a NodeAddr
-            # on a second interface. Evaluated per task, hence bash -c.
-            srun += ["bash", "-c", shlex.quote(_HOST_ON_NODE_0)]
-        srun += [
-            shlex.quote(python),
-            "-m",
-            "torch.distributed.run",
-            *(_quote_keeping_vars(o) for o in opts),
-            "-m",
-            shlex.quote(spec.module),
-            *(shlex.quote(a) for a in spec.args),
-        ]
-        body.append(" \\\n  ".join(_wrap(srun)))
-        return "\n".join(header + body) + "\n"
+        return slurm_script.render(spec)
 
-    def _log_dir(self, spec: LaunchSpec) -> str:
-        base = spec.log_dir or os.path.join(spec.cwd or os.getcwd(), "slurm-logs")
-        return os.path.abspath(base)
-
-    # ------------------------------------------------------------------ run
     def run(self, spec: LaunchSpec, on_line: LineCallback) -> LaunchResult:
         """Submit, stream, wait; ``LaunchError`` naming the Slurm state on failure."""
         try:
             self.probe()
-            text = self.render(spec)
+            text = slurm_script.render(spec)
         except ConfigError as e:
             raise LaunchError(str(e), returncode=2, retryable=False) from None
         start = time.monotonic()
-        log_dir = Path(self._log_dir(spec))
-        log_dir.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix="sbatch-", suffix=".sh", dir=log_dir)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        script = Path(name)
+        log_dir = Path(slurm_script.log_folder(spec))
+        script = _write_script(log_dir, text)
         env = _submit_environment(spec)
         submit = ["sbatch", "--parsable", str(script)]
-        res = _client(submit, env)
-        if res.returncode == _TIMED_OUT:
-            raise LaunchError(
-                f"training: sbatch did not answer in {_CLIENT_TIMEOUT_S:.0f}s; the job may have "
-                f"been submitted all the same: check squeue before relaunching ({script})",
-                returncode=res.returncode,
-                retryable=False,  # a relaunch could run the job twice
-            )
-        if res.returncode != 0:
-            raise LaunchError(
-                f"training: sbatch refused the job: {_last_line(res.stderr or res.stdout)}",
-                returncode=res.returncode,
-                retryable=False,
-            )
-        job_id = res.stdout.strip().split(";")[0]
+        job_id = _submit(submit, env, script)
         job = _Job(job_id, env, on_line)
         output = _Follower(log_dir / f"slurm-{job_id}.out", rank_filter(spec.launch.log_ranks))
         try:
@@ -256,21 +132,7 @@ class SlurmLauncher:
                 num_lines=output.num_lines,
                 job_id=job_id,
             )
-        if job.timed_out:
-            raise LaunchError(
-                f"training: Slurm job {job_id} cancelled after the launch timeout of "
-                f"{spec.timeout_s:.0f}s",
-                returncode=1,
-                retryable=False,
-            )
-        if name == "FAILED" and not output.reached_srun:
-            raise LaunchError(
-                f"training: Slurm job {job_id} FAILED before srun started (exit code "
-                f"{exit_code or '?'}): check launch.slurm.setup; output in {output.path}",
-                returncode=1,
-                retryable=False,  # the same script would fail the same way
-            )
-        raise _job_error(job_id, name, exit_code, reason, list(output.tail), output.path)
+        raise _failure(job, spec, name, exit_code, reason, output)
 
     def _follow(self, job: _Job, spec: LaunchSpec, output: _Follower) -> tuple[str, str, str]:
         """Poll until the job has left the queue; returns (state, exit code, reason).
@@ -312,6 +174,55 @@ class SlurmLauncher:
                     if final[0] not in _ACTIVE_STATES:
                         return final
             time.sleep(min(_OUTPUT_POLL_S, poll))
+
+
+def _write_script(log_dir: Path, text: str) -> Path:
+    """The batch script, written to a file of its own in the log folder."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix="sbatch-", suffix=".sh", dir=log_dir)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return Path(name)
+
+
+def _submit(submit: list[str], env: dict[str, str], script: Path) -> str:
+    """Run the ``sbatch`` command line ``submit``; the job id, or a ``LaunchError``."""
+    res = _client(submit, env)
+    if res.returncode == _TIMED_OUT:
+        raise LaunchError(
+            f"training: sbatch did not answer in {_CLIENT_TIMEOUT_S:.0f}s; the job may have "
+            f"been submitted all the same: check squeue before relaunching ({script})",
+            returncode=res.returncode,
+            retryable=False,  # a relaunch could run the job twice
+        )
+    if res.returncode != 0:
+        raise LaunchError(
+            f"training: sbatch refused the job: {_last_line(res.stderr or res.stdout)}",
+            returncode=res.returncode,
+            retryable=False,
+        )
+    return res.stdout.strip().split(";")[0]
+
+
+def _failure(
+    job: _Job, spec: LaunchSpec, state: str, exit_code: str, reason: str, output: _Follower
+) -> LaunchError:
+    """The error of a job that did not complete: timed out, stopped in its setup, or failed."""
+    if job.timed_out:
+        return LaunchError(
+            f"training: Slurm job {job.id} cancelled after the launch timeout of "
+            f"{spec.timeout_s:.0f}s",
+            returncode=1,
+            retryable=False,
+        )
+    if state == "FAILED" and not output.reached_srun:
+        return LaunchError(
+            f"training: Slurm job {job.id} FAILED before srun started (exit code "
+            f"{exit_code or '?'}): check launch.slurm.setup; output in {output.path}",
+            returncode=1,
+            retryable=False,  # the same script would fail the same way
+        )
+    return _job_error(job.id, state, exit_code, reason, list(output.tail), output.path)
 
 
 class _Job:
@@ -456,34 +367,6 @@ def _job_error(
     )
 
 
-def _long_option(arg: str) -> str:
-    """``gpus-per-node=8`` (as the command line must spell it) → ``--gpus-per-node=8``."""
-    return arg if arg.startswith("-") else f"--{arg}"
-
-
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "no output"
-
-
-def _quote_keeping_vars(arg: str) -> str:
-    """Shell-quote an option whose value may hold ``$name`` for the script to expand."""
-    if "$" not in arg:
-        return shlex.quote(arg)
-    assert not re.search(r"[^\w$./=:{}+-]", arg), arg  # our own options: names, $vars
-    return f'"{arg}"'
-
-
-def _wrap(words: list[str]) -> list[str]:
-    """Group a long command's words into lines of about 90 characters."""
-    lines: list[str] = []
-    cur = ""
-    for w in words:
-        if cur and len(cur) + len(w) > 90:
-            lines.append(cur)
-            cur = w
-        else:
-            cur = f"{cur} {w}" if cur else w
-    if cur:
-        lines.append(cur)
-    return lines
