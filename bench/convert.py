@@ -97,7 +97,7 @@ def timed(fn: object, *args: object) -> dict[str, float]:
 
 def child(checkpoint: str, output: str, layers: int, dtype: str, shard_bytes: int) -> None:
     """Convert in this fresh process; print start-up, wall and CPU seconds, peak RSS as JSON."""
-    from titan_core.convert import expected_shapes
+    from titan_core.checkpoint.hf_weights import expected_shapes
     from titan_core.convert.dcp_to_hf import dcp_to_hf
 
     args = _model_args(layers)

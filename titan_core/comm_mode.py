@@ -19,13 +19,17 @@ from __future__ import annotations
 import dataclasses
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from rich.console import Console
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_core.checkpoint.dcp_io import dcp_reader
 from titan_core.config.job import JobConfig
 from titan_core.distributed import simulation
 from titan_core.distributed.parallel_dims import ParallelDims
@@ -117,7 +121,7 @@ def run_local_tensor(cfg: JobConfig) -> list[dict[str, float]]:
     with simulation.simulated_world("local_tensor", cfg.comm.fake_world_size):
         trainer = Trainer(cfg)
         try:
-            trainer.checkpointer.reader = simulation.local_tensor_reader(trainer.model)
+            trainer.checkpointer.reader = local_tensor_reader(trainer.model)
             return trainer.train()
         finally:
             trainer.close()
@@ -289,7 +293,7 @@ def rank0_estimate(est: Estimate) -> MemoryEstimate:
 
 def print_report(report: DryRunReport) -> None:
     """Print the plan, the memory estimate and the step's result to stdout."""
-    from titan_core.estimate.cli import print_report as print_estimate
+    from titan_core.estimate.report import print_report as print_estimate
 
     console = Console(width=max(120, Console().width))
     say = lambda text: console.print(text, highlight=False, soft_wrap=True)  # noqa: E731
@@ -323,3 +327,35 @@ def print_report(report: DryRunReport) -> None:
         f"dry run OK: built in {report.build_seconds:.1f}s, stepped in {report.step_seconds:.1f}s,"
         f" peak RSS of this process {report.peak_rss_bytes / _GIB:.2f} GiB"
     )
+
+
+def local_tensor_reader(model: torch.nn.Module) -> Callable[[dict[str, Any], str], None]:
+    """A checkpoint reader for local_tensor runs: DCP's load gathers plans over the process
+    group, which LocalTensorMode cannot simulate, so read the full weights without collectives
+    and give each simulated rank its shard. Model weights only."""
+
+    def read(states: dict[str, Any], path: str) -> None:
+        sim = simulation.active()
+        assert sim is not None and sim.local_mode is not None, "not in a local_tensor run"
+        skipped = sorted(k for k in states if k != "model")
+        if skipped:
+            logger.warning(
+                "comm.mode=local_tensor loads model weights only from %s; %s start fresh",
+                path,
+                ", ".join(skipped),
+            )
+        sharded = get_model_state_dict(model)
+        with sim.local_mode.disable():
+            full = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in sharded.items()}
+            dcp.load({"model": full}, storage_reader=dcp_reader(path), no_dist=True)
+        with torch.no_grad():
+            for key, target in sharded.items():
+                value = full[key]
+                if isinstance(target, DTensor):
+                    # Each simulated rank cuts its own shard (no scatter: src_data_rank=None).
+                    value = distribute_tensor(
+                        value, target.device_mesh, target.placements, src_data_rank=None
+                    )
+                target.copy_(value)
+
+    return read

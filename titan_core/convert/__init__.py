@@ -3,14 +3,16 @@
 * ``titan_core.convert.dcp_to_hf.dcp_to_hf``: stream a DCP checkpoint (any sharding, local or
   fsspec URL) into sharded safetensors + config + tokenizer that ``transformers`` opens as is.
 * ``titan_core.convert.hf_to_dcp.hf_to_dcp``: an HF Llama folder to a model-only DCP checkpoint;
-  ``hf_to_dcp.load_hf_into_model`` feeds HF weights to a (sharded) model directly.
+  the folder is read by ``titan_core.checkpoint.hf_weights``, whose ``load_hf_into_model`` feeds
+  HF weights to a (sharded) model directly.
 * ``titan_core.convert.hf_tokenizer.export_hf_tokenizer``: the tiktoken BPE as HF tokenizer files.
-* ``titan_core.convert.cli.main``: ``titan convert dcp-to-hf|hf-to-dcp``.
+* ``titan_core.cli.convert.main``: ``titan convert dcp-to-hf|hf-to-dcp``.
 * ``dcp_direct`` (where a local checkpoint's tensor bytes lie in its ``.distcp`` files) and
   ``shard_writer`` (safetensors files written front to back) make dcp-to-hf a streaming copy.
 
 This module holds what both directions share: ``StagedOutput`` (atomic output folders),
-``storage_errors``, ``expected_shapes``, ``one_intra_op_thread`` and ``progress_bar``. The
+``storage_errors``, ``one_intra_op_thread``, ``progress_bar`` and ``format_size`` (a model's
+``expected_shapes`` and the HF file names are ``checkpoint.hf_weights``'s). The
 converters are not re-exported here: ``titan_core.convert.dcp_to_hf`` must stay the module, not
 the function of the same name, so that ``mock.patch`` paths and ``import ... as`` resolve.
 """
@@ -24,30 +26,16 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any
 
 import torch
 
 from titan_core import errors, storage
 from titan_core.errors import CheckpointError
-from titan_core.models import ModelSpec, get_model_spec, spec_for_args
 
 
 def storage_errors(path: str) -> contextlib.AbstractContextManager[None]:
     """Storage failures under ``path`` as one CheckpointError line."""
     return errors.storage_errors(path, CheckpointError)
-
-
-def model_spec(model_args: Any, model_name: str | None = None) -> ModelSpec:
-    """The spec of ``model_name``, or of the family whose args type ``model_args`` is."""
-    return get_model_spec(model_name) if model_name else spec_for_args(model_args)
-
-
-def expected_shapes(model_args: Any, model_name: str | None = None) -> dict[str, tuple[int, ...]]:
-    """Every state-dict tensor of the model described by ``model_args``, with its shape."""
-    with torch.device("meta"):
-        model = model_spec(model_args, model_name).model_cls(model_args)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 @contextlib.contextmanager

@@ -27,12 +27,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_core import storage
 from titan_core.checkpoint.dcp_io import dcp_reader
+from titan_core.checkpoint.hf_weights import INDEX_FILE, expected_shapes, model_spec
 from titan_core.checkpoint.manager import COMMIT_MARKER
 from titan_core.convert import (
     StagedOutput,
-    expected_shapes,
     format_size,
-    model_spec,
     one_intra_op_thread,
     progress_bar,
     storage_errors,
@@ -45,7 +44,6 @@ from titan_core.errors import CheckpointError, ConfigError
 from titan_core.logging import logger
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-INDEX_FILE = "model.safetensors.index.json"
 MODEL_PREFIX = "model."  # DCP flattens {"model": state_dict} to model.<fqn>
 _DCP_SINGLE_PROCESS_WARNING = ".*torch.distributed is disabled.*"
 

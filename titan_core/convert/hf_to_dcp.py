@@ -1,9 +1,8 @@
-"""Hugging Face folder (any registered family) -> DCP model-only checkpoint; HF weights straight
-into a model.
+"""Hugging Face folder (any registered family) -> DCP model-only checkpoint.
 
-A folder is ``config.json`` plus either ``model.safetensors.index.json`` with its shards or a
-single ``model.safetensors``, on local disk or any fsspec URL. Every shard's header is read and
-checked (names, shapes, truncation) before any tensor data is, and before anything is written.
+The folder is read by ``checkpoint.hf_weights`` (which the trainer shares for
+``checkpoint.initial_load_in_hf``): every shard's header is read and checked (names, shapes,
+truncation) before any tensor data is, and before anything is written.
 """
 
 from __future__ import annotations
@@ -11,178 +10,22 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors_bytes
-from safetensors.torch import load_file
-from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from titan_core import storage
 from titan_core.checkpoint.dcp_io import dcp_writer
+from titan_core.checkpoint.hf_weights import (
+    check_hf_weights,
+    list_hf_weights,
+    load_hf_state_dict,
+    read_hf_model_args,
+)
 from titan_core.checkpoint.manager import COMMIT_MARKER
-from titan_core.convert import StagedOutput, expected_shapes, format_size, storage_errors
-from titan_core.convert.dcp_to_hf import INDEX_FILE
-from titan_core.errors import CheckpointError
+from titan_core.convert import StagedOutput, format_size
 from titan_core.logging import logger
-from titan_core.models import describe_model, spec_for_args, spec_for_hf_config
-
-SINGLE_FILE = "model.safetensors"
-_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-
-@dataclass(frozen=True)
-class HFTensor:
-    """Where one HF tensor lives and what its header says."""
-
-    file: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-# ---------------------------------------------------------------- reading headers
-def _read_json(path: str) -> dict[str, Any]:
-    with storage_errors(path):
-        if not storage.exists(path):
-            raise CheckpointError(f"hf: {path} not found")
-        text = storage.read_text(path)
-    try:
-        content = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"hf: {path} is not valid JSON ({e})") from None
-    if not isinstance(content, dict):
-        raise CheckpointError(f"hf: {path}: expected a JSON object")
-    return content
-
-
-def read_safetensors_header(path: str) -> dict[str, HFTensor]:
-    """Tensor names, shapes and dtypes from a safetensors header; CheckpointError if truncated."""
-    with storage_errors(path):
-        fs, p = storage.filesystem(path)
-        if not fs.exists(p):
-            raise CheckpointError(f"hf: safetensors file {path} not found")
-        size = fs.size(p)
-        with fs.open(p, "rb") as f:
-            prefix = f.read(8)
-            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-            if not 0 < n <= min(size - 8, _MAX_HEADER_BYTES):
-                raise CheckpointError(f"hf: {path} is truncated or not a safetensors file")
-            raw = f.read(n)
-    try:
-        header = json.loads(raw)
-        entries = {k: v for k, v in header.items() if k != "__metadata__"}
-        end = max((v["data_offsets"][1] for v in entries.values()), default=0)
-        tensors = {
-            k: HFTensor(path, tuple(v["shape"]), _ST_DTYPES[v["dtype"]]) for k, v in entries.items()
-        }
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-        raise CheckpointError(f"hf: {path} has a corrupt safetensors header") from None
-    if 8 + n + end > size:
-        raise CheckpointError(
-            f"hf: {path} is truncated: needs {8 + n + end} bytes, the file has {size}"
-        )
-    return tensors
-
-
-def list_hf_weights(hf: str) -> dict[str, HFTensor]:
-    """Every tensor of the HF folder ``hf`` (index + shards, or one file), from headers only."""
-    index_path, single_path = storage.join(hf, INDEX_FILE), storage.join(hf, SINGLE_FILE)
-    with storage_errors(hf):
-        has_index, has_single = storage.exists(index_path), storage.exists(single_path)
-    if not has_index:
-        if not has_single:
-            raise CheckpointError(f"hf: {hf} has neither {INDEX_FILE} nor {SINGLE_FILE}")
-        return read_safetensors_header(single_path)
-    weight_map = _read_json(index_path).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"hf: {index_path} has no weight_map")
-    headers = {f: read_safetensors_header(storage.join(hf, f)) for f in set(weight_map.values())}
-    out = {}
-    for name, file in weight_map.items():
-        if name not in headers[file]:
-            raise CheckpointError(f"hf: {index_path} maps tensor {name} to {file}, which lacks it")
-        out[name] = headers[file][name]
-    return out
-
-
-# ---------------------------------------------------------------- config and validation
-def model_args_from_hf_config(config: dict[str, Any], source: str) -> Any:
-    """Model args (of the family that reads its ``architectures``) of an HF ``config.json``."""
-    return spec_for_hf_config(config, source).hf.from_hf_config(config, source)
-
-
-def check_hf_weights(hf: str, weights: dict[str, HFTensor], model_args: Any) -> None:
-    """CheckpointError naming the tensor and file for unknown, missing or misshapen tensors."""
-    spec = spec_for_args(model_args)
-    to_hf = spec.hf.to_hf
-    shapes = expected_shapes(model_args, spec.name)
-    meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
-    expected = {k: tuple(v.shape) for k, v in to_hf(meta, model_args).items()}
-    for name, t in weights.items():
-        if name.endswith("rotary_emb.inv_freq") or (
-            name == "lm_head.weight" and getattr(model_args, "tie_word_embeddings", False)
-        ):
-            continue  # from_hf drops them: recomputed from the args / the tied embedding
-        if name not in expected:
-            raise CheckpointError(
-                f"hf: unknown tensor {name} in {t.file} (not in this {spec.name} model)"
-            )
-        if t.shape != expected[name]:
-            raise CheckpointError(
-                f"hf: tensor {name} in {t.file} has shape {t.shape}, expected {expected[name]}"
-            )
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise CheckpointError(
-            f"hf: tensor {missing[0]} missing in {hf} ({len(missing)} missing in all; "
-            "does config.json match the weights?)"
-        )
-
-
-# ---------------------------------------------------------------- loading
-def _load_file(path: str) -> dict[str, torch.Tensor]:
-    try:
-        with storage_errors(path):
-            if storage.is_url(path):
-                fs, p = storage.filesystem(path)
-                return load_safetensors_bytes(fs.cat_file(p))
-            return load_file(path.removeprefix("file://"))
-    except SafetensorError as e:
-        raise CheckpointError(f"hf: cannot read {path}: {e}") from None
-
-
-def load_hf_state_dict(weights: dict[str, HFTensor], model_args: Any) -> dict[str, torch.Tensor]:
-    """The native (engine-named) state dict of checked ``weights``, file by file."""
-    hf_sd: dict[str, torch.Tensor] = {}
-    for file in sorted({t.file for t in weights.values()}):
-        tensors = _load_file(file)
-        hf_sd.update({k: v for k, v in tensors.items() if k in weights})
-    return spec_for_args(model_args).hf.from_hf(hf_sd, model_args)
-
-
-def read_hf_model_args(hf: str) -> Any:
-    """Model args from ``<hf>/config.json``."""
-    path = storage.join(hf, "config.json")
-    return model_args_from_hf_config(_read_json(path), path)
+from titan_core.models import describe_model, spec_for_args
 
 
 def hf_to_dcp(hf: str, output: str, *, model_args: Any | None = None) -> Any:
@@ -210,33 +53,4 @@ def hf_to_dcp(hf: str, output: str, *, model_args: Any | None = None) -> Any:
     return model_args
 
 
-def load_hf_into_model(hf: str, model: nn.Module) -> None:
-    """Load an HF folder's weights into ``model`` (plain, or FSDP/TP-sharded across ranks).
-
-    Every rank checks the headers; under torch.distributed only rank 0 reads the tensors and
-    broadcasts them, so a node holds one full copy, not one per rank.
-    """
-    hf = hf.rstrip("/")
-    model_args = model.model_args
-    weights = list_hf_weights(hf)
-    check_hf_weights(hf, weights, model_args)
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if distributed:
-        state_dict = load_hf_state_dict(weights, model_args) if dist.get_rank() == 0 else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, state_dict, options=options)
-    else:
-        set_model_state_dict(model, load_hf_state_dict(weights, model_args))
-
-
-__all__ = [
-    "HFTensor",
-    "check_hf_weights",
-    "hf_to_dcp",
-    "list_hf_weights",
-    "load_hf_into_model",
-    "load_hf_state_dict",
-    "model_args_from_hf_config",
-    "read_hf_model_args",
-    "read_safetensors_header",
-]
+__all__ = ["hf_to_dcp"]

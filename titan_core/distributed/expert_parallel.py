@@ -10,10 +10,14 @@ on the expert dim over the ``ep`` mesh (with tensor parallelism: over ``(ep, tp)
 shard on the hidden dim), so checkpoints reshard between layouts like any other DTensor.
 
 The ``ep`` ranks are carved from the FSDP x CP ranks (``ParallelDims``): what is left of FSDP
-shards each expert (``expert_fsdp_mesh_dims``), see ``models.common.parallelize``.
+shards each expert (``expert_fsdp_mesh_dims``), see ``models.common.parallelize``, which finds
+the model's MoE layers and passes them in: nothing here knows a model.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,7 +26,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_core.distributed.parallel_dims import ParallelDims
-from titan_core.models.common.moe import GroupedExperts, moe_layers
+
+
+class ExpertLayer(Protocol):
+    """What expert parallelism wires in an MoE layer (``models.common.moe.MoE`` is one)."""
+
+    dispatcher: Any
+    """Runs rows sorted by expert through ``experts`` (set here: the all-to-all dispatcher)."""
+    load_balance_group: dist.ProcessGroup | None
+    """The ranks whose tokens the aux loss's per-expert fractions count together."""
+
+    @property
+    def experts(self) -> nn.Module:
+        """The routed experts, ``experts(rows, counts)``; each weight stacked on dim 0 by expert."""
+        ...
 
 
 class _AllToAll(torch.autograd.Function):
@@ -64,9 +81,7 @@ class ExpertParallelDispatcher:
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep
 
-    def __call__(
-        self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor
-    ) -> torch.Tensor:
+    def __call__(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (rows, dim) sorted by global expert, ``counts`` (E,) -> outputs, same order."""
         ep, local = self.ep, self.num_local
         with torch.no_grad():
@@ -88,7 +103,7 @@ class ExpertParallelDispatcher:
         return all_to_all(y[inverse], in_splits, out_splits, self.group)
 
 
-def _shard_experts(experts: GroupedExperts, ep_mesh: DeviceMesh, mesh: DeviceMesh) -> None:
+def _shard_experts(experts: nn.Module, ep_mesh: DeviceMesh, mesh: DeviceMesh) -> None:
     """Make each expert weight a DTensor sharded on the expert dim over ``ep_mesh``: on ``mesh``
     = (ep,) or, when the weight is already tensor parallel on ``tp``, (ep, tp) keeping its TP
     placement. Runs on the meta device (no data moves)."""
@@ -105,23 +120,23 @@ def _shard_experts(experts: GroupedExperts, ep_mesh: DeviceMesh, mesh: DeviceMes
         experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 
-def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
-    """Wire this model part's MoE layers for the parallel layout; returns how many it touched.
+def apply_expert_parallel(layers: Sequence[ExpertLayer], parallel_dims: ParallelDims) -> int:
+    """Wire a model part's MoE ``layers`` for the parallel layout; returns how many it touched.
 
     Every MoE layer's aux loss counts tokens over the data x context ranks (whenever there are
     more than one, with or without EP). With EP, the experts are sharded over the ``ep`` mesh
     (after TP, which shards their hidden dim) and the all-to-all dispatcher is installed.
     """
-    layers = moe_layers(model)
     if parallel_dims.dp_degree * parallel_dims.cp > 1:
         group = parallel_dims.dp_cp_mesh.get_group()
-        for moe in layers.values():
+        for moe in layers:
             moe.load_balance_group = group
     if not parallel_dims.ep_enabled:
         return len(layers)
     ep_mesh = parallel_dims.ep_mesh
     mesh = parallel_dims.mesh["ep", "tp"] if parallel_dims.tp_enabled else ep_mesh
-    for moe in layers.values():
+    for moe in layers:
+        num_experts = next(moe.experts.parameters()).shape[0]  # stacked on dim 0 by expert
         _shard_experts(moe.experts, ep_mesh, mesh)
-        moe.dispatcher = ExpertParallelDispatcher(ep_mesh.get_group(), moe.args.num_experts)
+        moe.dispatcher = ExpertParallelDispatcher(ep_mesh.get_group(), num_experts)
     return len(layers)

@@ -3,14 +3,13 @@ DDP-style replication when data parallelism does not shard."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from titan_core.config.dtypes import TORCH_DTYPES
-from titan_core.models.common.moe import moe_layers
 
 
 def apply_fsdp(
@@ -24,15 +23,16 @@ def apply_fsdp(
     cpu_offload: bool = False,
     expert_mesh: DeviceMesh | None = None,
     expert_divide_factor: int = 1,
+    experts_of: Callable[[nn.Module], Iterable[nn.Module]] | None = None,
 ) -> None:
     """Shard each block, then the root (which holds embeddings, final norm and output).
 
     Under expert parallelism (``expert_mesh``: what is left of the FSDP ranks once ``ep`` is
-    carved out) each MoE layer's routed experts are sharded on their own first, over
-    ``expert_mesh``, with their gradients divided by ``expert_divide_factor``: the number of
-    data x context ranks whose tokens reach an expert (all of them), so that expert gradients
-    are the same average over the batch as the dense ones (FSDP would divide by its own mesh
-    size)."""
+    carved out) each block's routed-expert modules (``experts_of(block)``: the model's
+    parallelize knows which they are) are sharded on their own first, over ``expert_mesh``,
+    with their gradients divided by ``expert_divide_factor``: the number of data x context
+    ranks whose tokens reach an expert (all of them), so that expert gradients are the same
+    average over the batch as the dense ones (FSDP would divide by its own mesh size)."""
     mp = MixedPrecisionPolicy(
         param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype]
     )
@@ -41,9 +41,10 @@ def apply_fsdp(
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in blocks:
         if expert_mesh is not None:
-            for moe in moe_layers(block).values():
+            assert experts_of is not None, "expert_mesh needs experts_of"
+            for routed in experts_of(block):
                 experts = fully_shard(
-                    moe.experts,
+                    routed,
                     **{**kwargs, "mesh": expert_mesh},
                     reshard_after_forward=reshard_after_forward,
                 )

@@ -12,20 +12,15 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_core.checkpoint.dcp_io import dcp_reader
 from titan_core.errors import TitanError
-from titan_core.logging import logger
 
 _ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 
@@ -138,35 +133,3 @@ def _trunc_normal_inverse_cdf(
         tensor.uniform_(2 * lo - 1, 2 * hi - 1, generator=generator)
         tensor.erfinv_().mul_(std * math.sqrt(2.0)).add_(mean)
         return tensor.clamp_(min=a, max=b)
-
-
-def local_tensor_reader(model: torch.nn.Module) -> Callable[[dict[str, Any], str], None]:
-    """A checkpoint reader for local_tensor runs: DCP's load gathers plans over the process
-    group, which LocalTensorMode cannot simulate, so read the full weights without collectives
-    and give each simulated rank its shard. Model weights only."""
-
-    def read(states: dict[str, Any], path: str) -> None:
-        sim = _ACTIVE
-        assert sim is not None and sim.local_mode is not None, "not in a local_tensor run"
-        skipped = sorted(k for k in states if k != "model")
-        if skipped:
-            logger.warning(
-                "comm.mode=local_tensor loads model weights only from %s; %s start fresh",
-                path,
-                ", ".join(skipped),
-            )
-        sharded = get_model_state_dict(model)
-        with sim.local_mode.disable():
-            full = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in sharded.items()}
-            dcp.load({"model": full}, storage_reader=dcp_reader(path), no_dist=True)
-        with torch.no_grad():
-            for key, target in sharded.items():
-                value = full[key]
-                if isinstance(target, DTensor):
-                    # Each simulated rank cuts its own shard (no scatter: src_data_rank=None).
-                    value = distribute_tensor(
-                        value, target.device_mesh, target.placements, src_data_rank=None
-                    )
-                target.copy_(value)
-
-    return read

@@ -8,19 +8,37 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from titan_core import storage
 from titan_core.config.job import JobConfig
 
-if TYPE_CHECKING:  # only for annotations: report.py must not import the evaluator
-    from titan_core.evaluate.evaluator import EvalMetrics
+if TYPE_CHECKING:
     from titan_core.evaluate.generate import Sample
     from titan_core.evaluate.loading import ResolvedCheckpoint
 
 REPORT_VERSION = 1
 EVAL_DIR = "eval"
 _METRIC_KEYS = ("loss", "perplexity", "bits_per_byte", "num_tokens", "num_bytes", "num_batches")
+
+
+@dataclass
+class EvalMetrics:
+    """Held-out metrics of one pass; sums are over all ranks."""
+
+    loss: float
+    perplexity: float
+    bits_per_byte: float
+    num_tokens: int
+    num_bytes: int
+    num_batches: int
+    eval_seconds: float
+    tokens_per_second: float
+
+    def to_dict(self) -> dict[str, float | int]:
+        """Plain-JSON form for the report."""
+        return asdict(self)
 
 
 def build_report(

@@ -189,8 +189,8 @@ def parallelize_decoder(
         apply_tp(model, parallel_dims, cfg, tp_plan)
         if cfg.compile.enable:
             disable_autograd_cache()
-    if moe_layers(model):
-        apply_expert_parallel(model, parallel_dims)
+    if moes := list(moe_layers(model).values()):
+        apply_expert_parallel(moes, parallel_dims)
     apply_activation_checkpointing(model.layers, cfg.activation_checkpoint)
     if cfg.compile.enable and "model" in cfg.compile.components:
         if parallel_dims.tp_enabled and find_module(model, "tok_embeddings") is not None:
@@ -214,6 +214,7 @@ def parallelize_decoder(
             expert_mesh=expert_mesh,
             # Every data x context rank's tokens reach each expert: average over all of them.
             expert_divide_factor=parallel_dims.dp_degree * parallel_dims.cp,
+            experts_of=lambda block: [moe.experts for moe in moe_layers(block).values()],
         )
         kind = "HSDP" if len(dims) == 2 else "FSDP"
         shape = dict(zip(dims, dp_mesh.shape, strict=True))
