@@ -3,7 +3,7 @@
 The experiment and the MLflow store come from the config, resolved as ``pretrain_pipeline``
 resolves it (recipe < config file < ``config`` < ``overrides``): ``job.experiment``, and
 ``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else ``<job.dump_folder>/mlflow.db``
-(``titan_core.pipeline.tracking.resolve_tracking_uri``). So ``compare`` with the recipe and
+(``titan_core.pipeline.run.tracking.resolve_tracking_uri``). So ``compare`` with the recipe and
 settings a pipeline ran with finds its runs with nothing else to say.
 
 The comparison (final loss, eval perplexity, tokens/s, MFU, differing config keys, the loss curves
@@ -18,10 +18,10 @@ from typing import Any
 
 from prefect import flow
 
-from flows.cli import DEFAULT_RECIPE
 from tasks.compare import compare_runs
 from titan_core.config.form import ConfigForm, flow_values
 from titan_core.pipeline.compare import Comparison, compare_target
+from titan_core.pipeline.run.config import DEFAULT_RECIPE
 
 
 # Parameters are checked by flow_values/resolve_job (one-line errors), as in pretrain_pipeline.

@@ -8,7 +8,7 @@ from prefect import flow
 
 from tasks.convert import convert_to_hf
 from titan_core import storage
-from titan_core.pipeline.storage import absolute
+from titan_core.pipeline.run.paths import absolute
 
 
 def run_config_url(checkpoint: str) -> str:

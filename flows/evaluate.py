@@ -7,8 +7,8 @@ from typing import Any
 from prefect import flow
 
 from tasks import evaluate as eval_tasks
-from titan_core.pipeline.evaluation import Evaluation
-from titan_core.pipeline.storage import absolute
+from titan_core.pipeline.run.paths import absolute
+from titan_core.pipeline.stages.evaluation import Evaluation
 
 
 @flow(name="evaluate")

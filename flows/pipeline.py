@@ -14,35 +14,34 @@ from typing import Any
 
 from prefect import flow
 
-from flows.cli import DEFAULT_RECIPE
-from flows.config import run_config
-from flows.naming import current_run_id, name_flow_run, run_id_name, run_tags
 from tasks.convert import convert_to_hf
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate
 from tasks.preflight import preflight
 from tasks.publish import publish
 from tasks.runs import prepare_storage, start_tracking
+from tasks.runtime import current_run_id, name_flow_run, run_id_name
 from tasks.seed import create_seed_checkpoint
 from tasks.tokenizer import download_tokenizer
 from tasks.train import train, upload_run_files
 from titan_core import storage
 from titan_core.config.form import ConfigForm, flow_values
 from titan_core.config.job import JobConfig
-from titan_core.config.manager import to_toml
-from titan_core.config.resolve import resolve_job
-from titan_core.pipeline.common import public_url
-from titan_core.pipeline.data import (
+from titan_core.config.schema import to_toml
+from titan_core.pipeline.run.common import public_url
+from titan_core.pipeline.run.config import DEFAULT_RECIPE, flow_run_tags, run_config
+from titan_core.pipeline.run.paths import RunPaths, absolute
+from titan_core.pipeline.run.tracking import TrackingContext, end_pipeline_run
+from titan_core.pipeline.stages.data import (
     PreparedData,
     is_stored,
     prepare_params,
     record_dataset,
     train_on,
 )
-from titan_core.pipeline.seed import is_complete, seed_identity
-from titan_core.pipeline.storage import RunPaths, absolute
-from titan_core.pipeline.tokenizer import tokenizer_source
-from titan_core.pipeline.tracking import TrackingContext, end_pipeline_run
+from titan_core.pipeline.stages.seed import is_complete, seed_identity
+from titan_core.pipeline.stages.tokenizer import tokenizer_source
+from titan_core.resolve import resolve_job
 
 
 def cached(task_fn: Any, valid: Callable[[Any], bool], **kwargs: Any) -> Any:
@@ -136,7 +135,7 @@ def pretrain_pipeline(
     """
     cfg = resolve_job(recipe, config_file, flow_values(config, overrides))
     paths = RunPaths(absolute(cfg.job.dump_folder), cfg.job.experiment, current_run_id(run_id))
-    name_flow_run(f"{cfg.job.experiment}/{paths.run_id}", run_tags(cfg, recipe))
+    name_flow_run(f"{cfg.job.experiment}/{paths.run_id}", flow_run_tags(cfg, recipe))
 
     def body(tracking: TrackingContext | None) -> dict[str, Any]:
         """The stages inside the parent MLflow run."""

@@ -17,19 +17,19 @@ from typing import Any
 
 from prefect import flow
 
-from flows.cli import DEFAULT_RECIPE
-from flows.config import run_config
-from flows.naming import current_run_id, name_flow_run, run_id_name, run_tags
 from flows.pipeline import prepare_stage, run_tracked, train_and_publish
 from tasks.preflight import preflight
 from tasks.runs import find_latest_checkpoint, prepare_storage
+from tasks.runtime import current_run_id, load_secret, name_flow_run, run_id_name
 from titan_core.config.form import ConfigForm, flow_values
-from titan_core.config.manager import to_toml
-from titan_core.config.resolve import resolve_job
-from titan_core.pipeline.data import dataset_grew, train_on
-from titan_core.pipeline.model_line import continued_config, reresolve_autos
-from titan_core.pipeline.storage import RunPaths, absolute, configure_credentials
-from titan_core.pipeline.tracking import TrackingContext
+from titan_core.config.schema import to_toml
+from titan_core.pipeline.run.config import DEFAULT_RECIPE, flow_run_tags, run_config
+from titan_core.pipeline.run.paths import RunPaths, absolute
+from titan_core.pipeline.run.tracking import TrackingContext
+from titan_core.pipeline.run.transfer import configure_credentials
+from titan_core.pipeline.stages.data import dataset_grew, train_on
+from titan_core.pipeline.stages.model_line import continued_config, reresolve_autos
+from titan_core.resolve import resolve_job
 
 
 # Parameters are checked by flow_values/resolve_job (one-line errors), as in pretrain_pipeline.
@@ -78,7 +78,7 @@ def retrain(
     base = resolve_job(recipe, "", values)
     root = absolute(base.job.dump_folder)
     line = experiment or base.job.experiment
-    configure_credentials(base.storage.credentials_block)
+    configure_credentials(base.storage.credentials_block, load_secret)
     latest = find_latest_checkpoint(root, line)
     previous = resolve_job("", latest.config_url)
     cfg = resolve_job(
@@ -88,7 +88,7 @@ def retrain(
     )
     cfg = reresolve_autos(cfg, values)
     paths = RunPaths(root, line, current_run_id())
-    name_flow_run(f"{line}/{paths.run_id}", [*run_tags(cfg, recipe), "retrain"])
+    name_flow_run(f"{line}/{paths.run_id}", [*flow_run_tags(cfg, recipe), "retrain"])
 
     def body(tracking: TrackingContext | None) -> dict[str, Any]:
         """The stages inside the parent MLflow run."""

@@ -6,7 +6,7 @@ Trials run at most ``concurrency`` at a time: as ``pretrain_pipeline`` subflows 
 (each inside a ``trial`` task on a ``ThreadPoolTaskRunner``), or, with ``deployment``, as runs of
 that deployment on its work pool. A failed trial is reported in the comparison; the sweep fails
 only when every trial did. With ``early_stop``, a monitor thread stops clearly worse trials
-(``titan_core.pipeline.sweep_monitor``). ``titan sweep`` (flows/sweep_cli.py) runs it from the
+(``titan_core.pipeline.sweep.monitor``). ``titan sweep`` (titan_core/cli/sweep.py) runs it from the
 command line.
 """
 
@@ -19,18 +19,17 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.cli import DEFAULT_RECIPE
-from flows.naming import current_run_id, name_flow_run, run_id_name
+from tasks.runtime import current_run_id, name_flow_run, run_id_name, run_logger
 from tasks.sweep import compare_trials, start_sweep_tracking
 from titan_core.config.form import ConfigForm, flow_values
-from titan_core.config.resolve import resolve_job
 from titan_core.errors import ConfigError, TitanError, first_line
-from titan_core.pipeline.common import run_logger
-from titan_core.pipeline.early_stop import EarlyStopping
-from titan_core.pipeline.sweep import SweepError, SweepPlan, Trial, TrialOutcome, plan_sweep
-from titan_core.pipeline.sweep_monitor import watching
-from titan_core.pipeline.sweep_report import SweepResult, format_table
-from titan_core.pipeline.tracking import end_pipeline_run
+from titan_core.pipeline.run.config import DEFAULT_RECIPE
+from titan_core.pipeline.run.tracking import end_pipeline_run
+from titan_core.pipeline.sweep.early_stop import EarlyStopping
+from titan_core.pipeline.sweep.monitor import watching
+from titan_core.pipeline.sweep.plan import SweepError, SweepPlan, Trial, TrialOutcome, plan_sweep
+from titan_core.pipeline.sweep.report import SweepResult, format_table
+from titan_core.resolve import resolve_job
 
 PIPELINE_FLOW = "pretrain_pipeline"
 
@@ -181,7 +180,7 @@ def sweep(
     base = resolve_job(recipe, config_file, dict(plan.base))
     tracking = start_sweep_tracking(base, plan)
     try:
-        with watching(tracking, plan, plan.early_stop):
+        with watching(tracking, plan, plan.early_stop, run_logger()):
             outcomes = run_trials(plan, tracking.parent_run_id, target)
         result = compare_trials(tracking, plan, outcomes)
     except BaseException:

@@ -1,5 +1,5 @@
 """``convert_to_hf``: the final DCP checkpoint as a Hugging Face folder in the run root
-(``titan_core.pipeline.export`` does the work)."""
+(``titan_core.pipeline.stages.export`` does the work)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common import retry_transient
-from titan_core.pipeline.common import redact, run_logger
-from titan_core.pipeline.export import export_checkpoint
-from titan_core.pipeline.tracking import TrackingContext
+from tasks.runtime import run_logger
+from titan_core.pipeline.run.common import redact
+from titan_core.pipeline.run.tracking import TrackingContext
+from titan_core.pipeline.stages.export import export_checkpoint
 
 
 @task(

@@ -1,40 +1,36 @@
 """``prepare_data``: raw sources tokenized once into a prepared dataset, one task per source file.
 
-The stage plans (lists the sources, fingerprints their files, reads an existing manifest), runs
-one ``tokenize_shard`` task per file not yet prepared and commits the new shards to the manifest
-(``titan_core.data.prepare``). The shard tasks run on local processes (``data.workers``, all
-cores by default) or, with ``data.dask_address``, on that Dask cluster through Prefect's Dask task
-runner; either way each is a task run of its own in the Prefect UI, under ``prepare_data``.
-Parameters, cache key and summary: ``titan_core.pipeline.data``.
+The task is ``titan_core.data.prepare.prepare`` (plan, tokenize the files not yet prepared, commit
+the new shards to the manifest) with a ``map_fn`` that runs each file's ``tokenize_shard`` as a
+task of its own: on local processes (``data.workers``, all cores by default) or, with
+``data.dask_address``, on that Dask cluster through Prefect's Dask task runner; either way each
+is a task run in the Prefect UI, under ``prepare_data``.
+Parameters, cache key, log lines and summary: ``titan_core.pipeline.stages.data``.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from flows.runners import api_for_workers, task_runner
 from tasks.common import retry_transient
-from titan_core.data.prepare import (
-    PrepareSpec,
-    Unit,
-    commit_prepare,
-    discard_on_failure,
-    plan_prepare,
-    tokenize_unit,
-)
+from tasks.runtime import load_secret, run_each, run_logger
+from titan_core.data.prepare import PrepareSpec, Unit, prepare
 from titan_core.data.shards import ShardInfo
-from titan_core.pipeline.common import redact, run_logger
-from titan_core.pipeline.data import (
+from titan_core.pipeline.run.common import redact
+from titan_core.pipeline.stages.data import (
     PreparedData,
     credentials_once,
+    log_plan,
+    log_prepared,
     prepare_cache_key,
     prepared_summary,
     shard_run_label,
-    shard_threads,
 )
 
 # Shard workers import this module to unpickle tokenize_shard: what the parent alone needs (run
@@ -43,7 +39,7 @@ from titan_core.pipeline.data import (
 
 def _cache_key(context: Any, params: dict[str, Any]) -> str | None:
     """Prefect ``cache_key_fn``: the plan's key (None: not cached, the body raises the error)."""
-    return prepare_cache_key(params)
+    return prepare_cache_key(params, load_secret)
 
 
 def _shard_run_name() -> str:
@@ -62,27 +58,12 @@ def _shard_run_name() -> str:
     retry_condition_fn=retry_transient,
 )
 def tokenize_shard(
-    unit: Unit,
-    url: str,
-    tokenizer_path: str,
-    text_field: str,
-    validation_every: int,
-    fingerprint: str,
-    num_threads: int = 1,
-    credentials_block: str = "",
+    unit: Unit, tokenize: Callable[[Unit], list[ShardInfo]], credentials_block: str = ""
 ) -> list[ShardInfo]:
-    """Tokenize one source file (or Hugging Face shard) into its shards under ``url``
-    (``fingerprint``: the tokenizer's, as planned)."""
-    credentials_once(credentials_block)
-    shards = tokenize_unit(
-        unit,
-        url=url,
-        tokenizer_path=tokenizer_path,
-        text_field=text_field,
-        validation_every=validation_every,
-        fingerprint=fingerprint,
-        num_threads=num_threads,
-    )
+    """Tokenize one source file (or Hugging Face shard) into its shards: ``tokenize`` is
+    ``tokenize_unit`` with the plan's arguments, as ``prepare`` hands it to its ``map_fn``."""
+    credentials_once(credentials_block, load_secret)
+    shards = tokenize(unit)
     run_logger().info(
         "Tokenized %s: %d documents, %d tokens (%s)",
         redact(unit.file.url),
@@ -116,7 +97,19 @@ def prepare_data(
 
     Cached by the plan (sources' files, tokenizer, text field, split rule) and the data root.
     """
-    credentials_once(credentials_block)
+    credentials_once(credentials_block, load_secret)
+    logger = run_logger()
+
+    def as_tasks(
+        tokenize: Callable[[Unit], list[ShardInfo]], units: Sequence[Unit]
+    ) -> list[list[ShardInfo]]:
+        """``prepare``'s ``map_fn``: each unit a ``tokenize_shard`` task run."""
+        calls = [
+            {"unit": unit, "tokenize": tokenize, "credentials_block": credentials_block}
+            for unit in units
+        ]
+        return run_each(tokenize_shard, calls, workers, dask_address)
+
     spec = PrepareSpec(
         sources=tuple(sources),
         text_field=text_field,
@@ -124,40 +117,14 @@ def prepare_data(
         tokenizer_path=tokenizer_path,
         root=root,
     )
-    plan = plan_prepare(spec)
-    logger = run_logger()
-    reused = plan.reused_units
-    if not plan.todo and plan.exists:
-        logger.info("Prepared dataset %s is up to date (%d files)", redact(plan.url), reused)
-        return prepared_summary(plan.url, plan.manifest, 0, reused)
-    where = f"Dask cluster {dask_address}" if dask_address else "local processes"
-    logger.info(
-        "Preparing %s: %d new files on %s, %d prepared before",
-        redact(plan.url),
-        len(plan.todo),
-        where,
-        reused,
+    result = prepare(
+        spec,
+        workers=workers,
+        map_fn=as_tasks,
+        share_cores=not dask_address,  # a local unit gets the idle local cores' threads
+        on_plan=functools.partial(log_plan, logger, dask_address),
     )
-    with discard_on_failure(plan):  # a failed unit leaves no shard of this plan behind
-        threads = shard_threads(workers, dask_address, len(plan.todo))
-        fixed = plan.unit_kwargs() | {
-            "num_threads": threads,
-            "credentials_block": credentials_block,
-        }
-        with api_for_workers(), task_runner(workers, dask_address, len(plan.todo)) as runner:
-            futures = [
-                runner.submit(tokenize_shard, parameters={"unit": unit, **fixed})
-                for unit in plan.todo
-            ]
-            results = [future.result() for future in futures]
-        manifest = commit_prepare(plan, results)
-    prepared = prepared_summary(plan.url, manifest, sum(len(r) for r in results), reused)
-    logger.info(
-        "Prepared dataset %s: %d new shards; %d train shards, %s train and %s validation tokens",
-        redact(plan.url),
-        prepared.new_shards,
-        prepared.train_shards,
-        f"{prepared.train_tokens:,}",
-        f"{prepared.validation_tokens:,}",
-    )
+    prepared = prepared_summary(result)
+    if not result.cached:
+        log_prepared(logger, prepared)
     return prepared

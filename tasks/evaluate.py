@@ -1,5 +1,5 @@
 """``evaluate``: held-out loss, perplexity, bits per byte and samples of a checkpoint
-(``titan_core.pipeline.evaluation`` does the work)."""
+(``titan_core.pipeline.stages.evaluation`` does the work)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common import retry_transient
-from titan_core.pipeline.common import run_logger
-from titan_core.pipeline.evaluation import Evaluation, evaluate_stage
-from titan_core.pipeline.tracking import TrackingContext
+from tasks.runtime import run_logger
+from titan_core.pipeline.run.tracking import TrackingContext
+from titan_core.pipeline.stages.evaluation import Evaluation, evaluate_stage
 
 
 @task(

@@ -1,5 +1,5 @@
 """``publish``: register the Hugging Face export in MLflow and summarise the run in Prefect
-(``titan_core.pipeline.publish`` does the work; this task adds the Prefect artifacts)."""
+(``titan_core.pipeline.stages.publish`` does the work; this task adds the Prefect artifacts)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,17 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common import retry_transient
-from titan_core.pipeline.common import redact, run_logger
-from titan_core.pipeline.evaluation import Evaluation
-from titan_core.pipeline.publish import (
+from tasks.runtime import run_logger
+from titan_core.pipeline.run.common import redact
+from titan_core.pipeline.run.tracking import TrackingContext
+from titan_core.pipeline.stages.evaluation import Evaluation
+from titan_core.pipeline.stages.publish import (
     Publication,
     locations,
     metric_rows,
     publish_run,
     summary_markdown,
 )
-from titan_core.pipeline.tracking import TrackingContext
 
 
 @task(name="publish", cache_policy=NO_CACHE, retries=2, retry_condition_fn=retry_transient)

@@ -10,19 +10,21 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common import retry_transient
+from tasks.runtime import load_secret, run_logger
 from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.errors import CheckpointError
-from titan_core.pipeline.common import redact, run_logger
-from titan_core.pipeline.model_line import CheckpointInfo, latest_checkpoint
-from titan_core.pipeline.storage import RunPaths, check_storage, configure_credentials
-from titan_core.pipeline.tracking import TrackingContext, start_pipeline_run
+from titan_core.pipeline.run.common import redact
+from titan_core.pipeline.run.paths import RunPaths
+from titan_core.pipeline.run.tracking import TrackingContext, start_pipeline_run
+from titan_core.pipeline.run.transfer import check_storage, configure_credentials
+from titan_core.pipeline.stages.model_line import CheckpointInfo, latest_checkpoint
 
 
 @task(name="prepare_storage", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_transient)
 def prepare_storage(paths: RunPaths, credentials_block: str = "") -> str:
     """Load credentials, check the run root can be written and read; returns the run root."""
-    configure_credentials(credentials_block)
+    configure_credentials(credentials_block, load_secret)
     check_storage(paths.run_root)
     run_logger().info("Run root %s is writable", redact(paths.run_root))
     return paths.run_root

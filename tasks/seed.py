@@ -1,5 +1,5 @@
 """``create_seed_checkpoint``: the initial weights every run of a model config starts from
-(``titan_core.pipeline.seed`` does the work; written once per identity, then cached)."""
+(``titan_core.pipeline.stages.seed`` does the work; written once per identity, then cached)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from prefect import task
 from prefect.tasks import exponential_backoff
 
 from tasks.common import retry_transient
-from titan_core.pipeline.common import redact, run_logger
-from titan_core.pipeline.seed import seed_cache_key, write_seed_checkpoint
+from tasks.runtime import run_logger
+from titan_core.pipeline.run.common import redact
+from titan_core.pipeline.stages.seed import seed_cache_key, write_seed_checkpoint
 
 
 def _cache_key(context: Any, params: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 """Tasks of the ``sweep`` flow: its MLflow parent run, and the comparison of its trials as MLflow
-and Prefect artifacts (``titan_core.pipeline.sweep_tracking`` does the MLflow work)."""
+and Prefect artifacts (``titan_core.pipeline.sweep.tracking`` does the MLflow work)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common import retry_transient
+from tasks.runtime import run_logger
 from titan_core.config.job import JobConfig
-from titan_core.pipeline.common import redact, run_logger
-from titan_core.pipeline.sweep import SweepPlan, TrialOutcome
-from titan_core.pipeline.sweep_report import SweepResult
-from titan_core.pipeline.sweep_tracking import record_comparison, start_sweep_run
-from titan_core.pipeline.tracking import TrackingContext
+from titan_core.pipeline.run.common import redact
+from titan_core.pipeline.run.tracking import TrackingContext
+from titan_core.pipeline.sweep.plan import SweepPlan, TrialOutcome
+from titan_core.pipeline.sweep.report import SweepResult
+from titan_core.pipeline.sweep.tracking import record_comparison, start_sweep_run
 
 
 @task(name="start_sweep_tracking", cache_policy=NO_CACHE)

@@ -1,5 +1,5 @@
 """``download_tokenizer``: the tokenizer a run trains with, stored in the run root once per source
-(``titan_core.pipeline.tokenizer`` does the work)."""
+(``titan_core.pipeline.stages.tokenizer`` does the work)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from prefect import task
 from prefect.tasks import exponential_backoff
 
 from tasks.common import retry_transient
-from titan_core.pipeline.common import redact, run_logger
-from titan_core.pipeline.tokenizer import store_tokenizer, tokenizer_cache_key
+from tasks.runtime import run_logger
+from titan_core.pipeline.run.common import redact
+from titan_core.pipeline.stages.tokenizer import store_tokenizer, tokenizer_cache_key
 
 
 def _cache_key(context: Any, params: dict[str, Any]) -> str:
@@ -34,8 +35,7 @@ def download_tokenizer(
     Cached by (source, output ``root``, the runs' shared root): ``dest`` may differ between
     runs that share the result.
     """
-    stored = store_tokenizer(source, dest, attempts=attempts, progress=progress)
-    run_logger().info(
-        "Tokenizer %s (%d tokens) stored at %s", source, stored.n_words, redact(stored.url)
-    )
+    logger = run_logger()
+    stored = store_tokenizer(source, dest, attempts=attempts, progress=progress, logger=logger)
+    logger.info("Tokenizer %s (%d tokens) stored at %s", source, stored.n_words, redact(stored.url))
     return stored.url

@@ -17,13 +17,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common import retry_transient
+from tasks.runtime import run_logger
 from titan_core import storage
 from titan_core.checkpoint.manager import complete_steps
-from titan_core.pipeline.common import load_config, redact, run_logger
-from titan_core.pipeline.params import record_seed
-from titan_core.pipeline.storage import refresh, upload_folder
-from titan_core.pipeline.tracking import TrackingContext, log_config, stage_run
-from titan_core.pipeline.training import discard_late_stop, tag_stopped, trained_to
+from titan_core.pipeline.run.common import load_config, redact
+from titan_core.pipeline.run.params import record_seed
+from titan_core.pipeline.run.tracking import TrackingContext, log_config, stage_run
+from titan_core.pipeline.run.transfer import refresh, upload_folder
+from titan_core.pipeline.stages.training import discard_late_stop, tag_stopped, trained_to
 from titan_core.stop_request import stopped_early
 
 # Fault-injection hooks (see titan_core/checkpoint/manager.py) model a transient failure: they
@@ -70,7 +71,7 @@ def train(config_url: str, seed_url: str = "", tracking: TrackingContext | None 
         launcher = get_launcher(cfg.launch)
         logger.info("Launching (%s): %s", cfg.launch.backend, redact(launcher.render(spec)))
         result = launcher.run(spec, on_line=lambda line: logger.info(redact(line)))
-    discard_late_stop(cfg.job.dump_folder)  # the train run has ended: no more requests
+    discard_late_stop(cfg.job.dump_folder, logger)  # the train run has ended: no more requests
     refresh(folder)  # the ranks wrote the checkpoints: drop this process's cached listings
     record = stopped_early(cfg.job.dump_folder)
     step, stop = trained_to(complete_steps(folder), cfg.training.steps, record, redact(folder))
@@ -97,9 +98,14 @@ def upload_run_files(config_url: str) -> list[str]:
     if not storage.is_url(cfg.job.dump_folder):
         return []  # the ranks wrote straight into the run root
     side = local_side_folder(cfg.job.dump_folder)
+    logger = run_logger()
     urls = upload_folder(
-        side, cfg.job.dump_folder, attempts=cfg.storage.retries, progress=cfg.storage.progress
+        side,
+        cfg.job.dump_folder,
+        attempts=cfg.storage.retries,
+        progress=cfg.storage.progress,
+        logger=logger,
     )
-    run_logger().info("Uploaded %d run files to %s", len(urls), redact(cfg.job.dump_folder))
+    logger.info("Uploaded %d run files to %s", len(urls), redact(cfg.job.dump_folder))
     shutil.rmtree(side, ignore_errors=True)
     return urls

@@ -11,10 +11,11 @@ Three steps, so that any engine can run the middle one:
 - ``commit_prepare`` appends the new units to the manifest and writes it, last: until then
   readers see the previous manifest, and a failed unit leaves nothing committed.
 
-``prepare`` is the three with a local process pool. A dataset lives at ``<root>/<fingerprint>``,
-the fingerprint covering the sources as given, the text field, the tokenizer and the split rule;
-rerunning it is a cache hit, and files added to a source become new units appended to the same
-dataset (old shards are never rewritten).
+``prepare`` is the three, on a local process pool or on the engine its ``map_fn`` hands the units
+to (the pipeline's ``prepare_data`` task: Prefect tasks on local processes or a Dask cluster). A
+dataset lives at ``<root>/<fingerprint>``, the fingerprint covering the sources as given, the text
+field, the tokenizer and the split rule; rerunning it is a cache hit, and files added to a source
+become new units appended to the same dataset (old shards are never rewritten).
 """
 
 from __future__ import annotations
@@ -442,11 +443,27 @@ def discard_on_failure(plan: Plan) -> Iterator[None]:
         raise
 
 
-def prepare(spec: PrepareSpec, *, workers: int = 0, map_fn: MapFn | None = None) -> PrepareResult:
+def prepare(
+    spec: PrepareSpec,
+    *,
+    workers: int = 0,
+    map_fn: MapFn | None = None,
+    share_cores: bool | None = None,
+    on_plan: Callable[[Plan], None] | None = None,
+) -> PrepareResult:
     """Plan, tokenize the new units (``map_fn(fn, units)``, default a pool of ``workers``
-    processes, 0 = every core; ``map`` runs them inline), commit."""
+    processes, 0 = every core; ``map`` runs them inline), commit.
+
+    ``fn`` is ``tokenize_unit`` with the plan's arguments (picklable: an engine may run it in
+    other processes or on other machines). ``share_cores``: fewer units than ``workers`` cores
+    give each unit's process the idle cores' encoding threads (default: with the local pool
+    only; one thread per unit otherwise). ``on_plan(plan)`` is called once planned, before any
+    unit is tokenized (progress reporting).
+    """
     start = time.perf_counter()
     plan = plan_prepare(spec)
+    if on_plan is not None:
+        on_plan(plan)
     if not plan.todo:
         return PrepareResult(
             url=plan.url,
@@ -459,7 +476,8 @@ def prepare(spec: PrepareSpec, *, workers: int = 0, map_fn: MapFn | None = None)
         )
     cores = workers or os.cpu_count() or 1
     processes = min(cores, len(plan.todo))
-    threads = max(1, cores // processes) if map_fn is None else 1
+    share = map_fn is None if share_cores is None else share_cores
+    threads = max(1, cores // processes) if share else 1
     fn = functools.partial(tokenize_unit, **plan.unit_kwargs(), num_threads=threads)
     if map_fn is None:
         map_fn = functools.partial(process_map, processes=processes)

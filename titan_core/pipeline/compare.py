@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from titan_core.errors import ConfigError
-from titan_core.pipeline.common import public_url
-from titan_core.pipeline.report import markdown_image, mlflow_image
-from titan_core.pipeline.tracking import STAGE_TAG, check_tracking, resolve_tracking_uri
+from titan_core.pipeline.run.common import public_url
+from titan_core.pipeline.run.report import markdown_image, markdown_table, mlflow_image
+from titan_core.pipeline.run.tracking import STAGE_TAG, check_tracking, resolve_tracking_uri
 
 # Metric names on MLflow (the train stage run and the pipeline run alike; the eval stage).
 LOSS_KEY, TPS_KEY, MFU_KEY = "train/loss", "train/tps", "train/mfu_pct"
@@ -101,7 +101,7 @@ def compare_target(
     """``(experiment, tracking URI)`` of the config ``resolve_job`` resolves from the layers:
     ``experiment`` or its job.experiment, and ``resolve_tracking_uri`` (the store a pipeline run
     of the same config records in); one-line ``ConfigError`` for a bad recipe, key or value."""
-    from titan_core.config.resolve import resolve_job
+    from titan_core.resolve import resolve_job
 
     cfg = resolve_job(recipe, config_file, values)
     return experiment or cfg.job.experiment, resolve_tracking_uri(cfg)
@@ -274,22 +274,19 @@ def render_markdown(
     experiment: str, runs: list[RunSummary], diff: dict[str, dict[str, str | None]], plot: str
 ) -> str:
     """The comparison for people: headline table, differing config keys, the loss curves (a
-    markdown image: ``titan_core.pipeline.report.markdown_image``, or "" for none)."""
+    markdown image: ``titan_core.pipeline.run.report.markdown_image``, or "" for none)."""
     head = ["run", "run_id", "status", "steps", "final_loss", "eval_perplexity"]
     head += ["tokens_per_s", "mfu_pct"]
     lines = [f"# Comparison of {len(runs)} runs in `{experiment}`", ""]
-    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for run in runs:
-        row = run.row()
-        row["run_id"] = f"`{run.run_id[:8]}`"
-        lines.append("| " + " | ".join(_fmt(row[h]) for h in head) + " |")
+    rows = [run.row() | {"run_id": f"`{run.run_id[:8]}`"} for run in runs]
+    lines += markdown_table(head, [[_fmt(row[h]) for h in head] for row in rows])
     lines += ["", "## Config keys that differ", ""]
     if diff:
         names = [f"{r.name} (`{r.run_id[:8]}`)" for r in runs]
-        lines += ["| key | " + " | ".join(names) + " |", "|" + " --- |" * (len(runs) + 1)]
-        for key, values in diff.items():
-            cells = [_fmt(values[r.run_id]) for r in runs]
-            lines.append(f"| `{key}` | " + " | ".join(cells) + " |")
+        cells = [
+            [f"`{key}`", *(_fmt(values[r.run_id]) for r in runs)] for key, values in diff.items()
+        ]
+        lines += markdown_table(["key", *names], cells)
     else:
         lines.append("None: every run has the same config.")
     if plot:

@@ -2,7 +2,7 @@
 
 The torchtitan reproducibility recipe made exact across data-parallel degrees: every layout loads
 the same seed checkpoint (written with every degree at 1) and draws its global batch from the same
-``training.data_streams`` streams, so a single process and any parallel layout see the same
+``dataloader.streams`` streams, so a single process and any parallel layout see the same
 samples and their per-step losses agree to float rounding.
 """
 
@@ -55,7 +55,7 @@ def common_args(steps: int, seq_len: int, streams: int) -> list[str]:
         str(steps),
         "--training.seq_len",
         str(seq_len),
-        "--training.data_streams",
+        "--dataloader.streams",
         str(streams),
         "--metrics.log_freq",
         "1",
@@ -70,8 +70,8 @@ def common_args(steps: int, seq_len: int, streams: int) -> list[str]:
 
 def plan_layouts(base: list[str], layouts: list[dict[str, Any]], global_batch: int) -> list[Layout]:
     """Validate every layout's config at its world size (before anything runs or is written)."""
-    from titan_core.config.manager import parse_args
     from titan_core.distributed.parallel_dims import ParallelDims
+    from titan_core.resolve import parse_args
 
     if len(layouts) < 2:
         raise ConfigError(f"parity.layouts: expected at least 2 layouts, got {len(layouts)}")

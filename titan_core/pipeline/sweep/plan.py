@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from titan_core.errors import ConfigError, TitanError
-from titan_core.pipeline.early_stop import EarlyStopping, early_stopping
-from titan_core.pipeline.storage import RunPaths, absolute
-from titan_core.pipeline.tracking import resolve_tracking_uri
+from titan_core.pipeline.run.paths import RunPaths, absolute
+from titan_core.pipeline.run.tracking import resolve_tracking_uri
+from titan_core.pipeline.sweep.early_stop import EarlyStopping, early_stopping
 
 # Keys a sweep cannot vary: every trial must land in the same experiment, tracking store and
 # registered model for the trials to nest under one MLflow run and be compared.
@@ -60,13 +60,12 @@ def format_value(value: Any) -> str:
 
 def check_keys(keys: Sequence[str], where: str) -> None:
     """One-line ``ConfigError`` for a key the config does not have or a sweep cannot vary."""
-    from titan_core.config.job import JobConfig
-    from titan_core.config.manager import _did_you_mean, _schema
+    from titan_core.config.schema import did_you_mean, schema
 
-    schema = _schema(JobConfig)
+    specs = schema()
     for key in (k.replace("-", "_") for k in keys):
-        if key not in schema:
-            hint = _did_you_mean(key, schema, "")
+        if key not in specs:
+            hint = did_you_mean(key, specs, "")
             raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
         if key in FIXED_KEYS:
             raise ConfigError(
@@ -162,16 +161,15 @@ def expand(
 
 def parse_text(key: str, text: str) -> Any:
     """One CLI value for ``key`` in the field's type (``1e-3`` -> 0.001 for a float field)."""
-    from titan_core.config.job import JobConfig
-    from titan_core.config.manager import _from_text, _schema
+    from titan_core.config.schema import from_text, schema
 
-    spec = _schema(JobConfig)[key]
+    spec = schema()[key]
     try:
         if spec.kind == "bool":
             return {"true": True, "false": False}[text.lower()]
         if spec.kind == "list":
             raise ValueError(text)  # commas separate the swept values
-        return _from_text(spec, text)
+        return from_text(spec, text)
     except (KeyError, ValueError):
         raise ConfigError(f"{key}: expected {spec.describe()}, got {text!r}") from None
 
@@ -296,7 +294,7 @@ def plan_sweep(
     """Expand the sweep and resolve every trial's config: a bad key, value or combination is a
     one-line ``ConfigError`` (naming the trial) before anything runs. ``early_stop``: None, a
     mapping or ``EarlyStopping`` (the median stopping rule; off by default)."""
-    from titan_core.config.resolve import resolve_job
+    from titan_core.resolve import resolve_job
 
     if concurrency < 1:
         raise ConfigError(f"sweep.concurrency: expected an int >= 1, got {concurrency!r}")

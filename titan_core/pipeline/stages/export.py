@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_core import storage
-from titan_core.pipeline.common import load_config
-from titan_core.pipeline.tracking import TrackingContext, log_metrics, stage_run
+from titan_core.pipeline.run.common import load_config
+from titan_core.pipeline.run.tracking import TrackingContext, log_metrics, stage_run
 
 HF_DIR = "hf"
 
@@ -45,7 +45,7 @@ def export_checkpoint(
     existing complete export is kept. ``overrides`` (dotted keys) apply onto the config."""
     from titan_core.build import build_model_args
     from titan_core.config.job import parse_size
-    from titan_core.config.resolve import apply_values
+    from titan_core.config.schema import apply_values
     from titan_core.convert.dcp_to_hf import dcp_to_hf
     from titan_core.data import Tokenizer, default_tokenizer_path
 

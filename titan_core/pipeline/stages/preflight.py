@@ -19,7 +19,7 @@ from typing import Any
 from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.errors import ConfigError
-from titan_core.pipeline.common import load_config, run_logger
+from titan_core.pipeline.run.common import Logger, load_config, titan_logger
 
 _GIB = 2**30
 
@@ -64,10 +64,10 @@ def device_memory_bytes(cfg: JobConfig) -> int:
     return 0
 
 
-def dry_run(cfg: JobConfig, world_size: int) -> Any:
+def dry_run(cfg: JobConfig, world_size: int, logger: Logger | None = None) -> Any:
     """A fake-backend dry run at ``world_size`` in this process: the model built and
     parallelized on fake process groups, one training step on fake tensors (a real data batch
-    included); returns the memory/FLOPs estimate of that layout."""
+    included), reported to ``logger``; returns the memory/FLOPs estimate of that layout."""
     from titan_core.comm_mode import dry_run as fake_backend_dry_run
     from titan_core.estimate import estimate
 
@@ -75,7 +75,7 @@ def dry_run(cfg: JobConfig, world_size: int) -> Any:
         cfg, comm=dataclasses.replace(cfg.comm, mode="fake_backend", fake_world_size=world_size)
     )
     report = fake_backend_dry_run(fake)
-    run_logger().info(
+    (logger or titan_logger()).info(
         "Fake-backend dry run at world size %d: one step in %.2fs, rank 0 holds %s parameters",
         world_size,
         report.step_seconds,
@@ -104,32 +104,33 @@ def _size(num_bytes: float) -> str:
     return f"{num_bytes / 2**20:.1f} MiB"
 
 
-def preflight_checks(parsed: JobConfig) -> tuple[JobConfig, Any]:
+def preflight_checks(parsed: JobConfig, logger: Logger | None = None) -> tuple[JobConfig, Any]:
     """Every check preflight makes on a parsed config, before anything is launched or written:
     the launcher's settings and tools, the config at its world size, a fake-backend dry run and
-    the memory budget. Returns the config with its auto values resolved
-    (``titan_core.build.resolve_auto``, what the ranks will run) and the estimate. ``titan
-    launch`` runs these too."""
+    the memory budget (the dry run reported to ``logger``). Returns the config with its auto
+    values resolved (``titan_core.build.resolve_auto``, what the ranks will run) and the
+    estimate. ``titan launch`` runs these too."""
     from titan_core.build import resolve_auto
     from titan_core.launch import get_launcher
 
     world_size = parsed.launch.nnodes * parsed.launch.nproc_per_node
     get_launcher(parsed.launch).probe()  # backend settings, and its tools on this machine
     cfg = resolve_auto(parsed, world_size)  # what the ranks will run: no "auto" -1 left
-    est = dry_run(cfg, world_size)
+    est = dry_run(cfg, world_size, logger)
     check_memory(cfg, est)
     return cfg, est
 
 
-def run_preflight(config_toml: str, config_url: str) -> Preflight:
-    """Validate the config text at its world size (``preflight_checks``), then store it at
-    ``config_url`` with its auto values resolved: the config the ranks load."""
-    from titan_core.config.manager import to_toml
+def run_preflight(config_toml: str, config_url: str, logger: Logger | None = None) -> Preflight:
+    """Validate the config text at its world size (``preflight_checks``, reporting to
+    ``logger``), then store it at ``config_url`` with its auto values resolved: the config the
+    ranks load."""
+    from titan_core.config.schema import to_toml
 
     parsed = parse_config_text(config_toml)
     world_size = parsed.launch.nnodes * parsed.launch.nproc_per_node
-    cfg, est = preflight_checks(parsed)
-    if cfg.training.dataset == "titan_corpus":
+    cfg, est = preflight_checks(parsed, logger)
+    if cfg.dataloader.dataset == "titan_corpus":
         from titan_core.data import ensure_assets
 
         ensure_assets()  # the bundled corpus, on a fresh machine too (seconds, then cached)

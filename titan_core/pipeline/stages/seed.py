@@ -15,8 +15,9 @@ from typing import Any
 from titan_core import storage
 from titan_core.checkpoint.manager import read_marker
 from titan_core.config.job import ActivationCheckpoint, Compile, JobConfig, Parallelism
-from titan_core.pipeline.common import load_config
-from titan_core.pipeline.storage import SEED_DIR, refresh, storage_identity
+from titan_core.pipeline.run.common import load_config
+from titan_core.pipeline.run.paths import SEED_DIR, storage_identity
+from titan_core.pipeline.run.transfer import refresh
 
 
 def seed_identity(cfg: JobConfig, model_args: dict[str, Any], root: str) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 from titan_core import storage
 from titan_core.errors import first_line
-from titan_core.pipeline.common import redact, run_logger
-from titan_core.pipeline.tracking import TrackingContext, client
+from titan_core.pipeline.run.common import Logger, redact, titan_logger
+from titan_core.pipeline.run.tracking import TrackingContext, client
 from titan_core.stop_request import STOP_REQUEST, StopRecord, discard_stop_request
 
 STOPPED_TAG = "titan.stopped_at"  # MLflow tag of a pipeline run whose training was stopped early
@@ -47,16 +47,17 @@ def tag_stopped(tracking: TrackingContext | None, stage_run_id: str, stop: StopR
             mlflow_client.set_tag(run_id, REASON_TAG, stop.reason)
 
 
-def discard_late_stop(dump_folder: str) -> None:
+def discard_late_stop(dump_folder: str, logger: Logger | None = None) -> None:
     """Delete a stop request the finished job left in ``dump_folder`` (it came after the job's
     last log step, or while the job saved and flushed its metrics), so that the next run in that
     folder (a resume, ``--run-id`` with more steps) trains on instead of stopping at once.
-    Logged; a storage error is logged too, not raised (training is over)."""
+    Logged to ``logger``; a storage error is logged too, not raised (training is over)."""
+    logger = logger or titan_logger()
     try:
         discarded = discard_stop_request(dump_folder)
     except Exception as e:  # fsspec backends raise more than OSError (S3 client errors)
         where = redact(storage.join(dump_folder, STOP_REQUEST))
-        run_logger().warning("Could not delete the stop request %s: %s", where, first_line(e))
+        logger.warning("Could not delete the stop request %s: %s", where, first_line(e))
         return
     if discarded:
-        run_logger().info("A stop request came after training's last log step: discarded")
+        logger.info("A stop request came after training's last log step: discarded")

@@ -5,7 +5,8 @@ user error (a ``TitanError``: bad config, unreachable storage or tracking server
 or a failed launch (``LaunchError``, already summarised in one line), the traceback says nothing
 the one-line message does not: the console shows the message alone, and the CLI prints one
 ``error:`` line at the end. The Prefect UI's logs (the API handler) keep the whole traceback, and
-any other exception keeps it everywhere.
+any other exception keeps it everywhere. ``tasks.runtime.quiet_user_errors`` puts this formatter on
+Prefect's console handlers.
 """
 
 from __future__ import annotations
@@ -37,22 +38,3 @@ class OneLineUserErrors(logging.Formatter):
             record = copy.copy(record)
             record.exc_info, record.exc_text = None, None
         return self.inner.format(record)
-
-
-def quiet_user_errors() -> None:
-    """Configure Prefect's logging (by importing it) and wrap its console handlers' formatters
-    with ``OneLineUserErrors``. Call after the Prefect settings are in the environment."""
-    import prefect.main  # noqa: F401  (sets up Prefect's logging: a console handler on the root)
-    from prefect.logging.handlers import PrefectConsoleHandler
-
-    loggers = [logging.getLogger()] + [
-        logger
-        for logger in logging.Logger.manager.loggerDict.values()
-        if isinstance(logger, logging.Logger)
-    ]
-    for logger in loggers:
-        for handler in logger.handlers:
-            if isinstance(handler, PrefectConsoleHandler) and not isinstance(
-                handler.formatter, OneLineUserErrors
-            ):
-                handler.setFormatter(OneLineUserErrors(handler.formatter))

@@ -25,8 +25,9 @@ import fsspec
 
 from titan_core import storage
 from titan_core.errors import DataError
-from titan_core.pipeline.common import redact
-from titan_core.pipeline.storage import download_file, storage_identity, upload_folder
+from titan_core.pipeline.run.common import Logger, redact
+from titan_core.pipeline.run.paths import storage_identity
+from titan_core.pipeline.run.transfer import download_file, upload_folder
 
 BUILTIN = "builtin"
 _HF_RE = re.compile(r"^hf://(?P<repo>[^/@]+/[^/@]+)(?:@(?P<rev>[^/]+))?/(?P<file>.+)$")
@@ -93,8 +94,16 @@ def _hf_download(source: str, cache_dir: str) -> str:
         raise DataError(f"{where}: {redact(str(e).splitlines()[0])}") from None
 
 
-def fetch_local(source: str, workdir: str, *, attempts: int = 4, progress: bool = True) -> str:
-    """A local copy (or the local file itself) of the tokenizer ``source``."""
+def fetch_local(
+    source: str,
+    workdir: str,
+    *,
+    attempts: int = 4,
+    progress: bool = True,
+    logger: Logger | None = None,
+) -> str:
+    """A local copy (or the local file itself) of the tokenizer ``source`` (download retries
+    logged to ``logger``)."""
     if source == BUILTIN:
         from titan_core.data import default_tokenizer_path, ensure_assets
 
@@ -110,11 +119,11 @@ def fetch_local(source: str, workdir: str, *, attempts: int = 4, progress: bool 
                 "hf://org/repo[@revision]/path, a local file or an fsspec URL (s3://, https://)"
             )
         if protocol == "file":
-            return fetch_local(source.removeprefix("file://"), workdir)
+            return fetch_local(source.removeprefix("file://"), workdir, logger=logger)
         if not storage.exists(source):
             raise DataError(f"tokenizer.path: file not found: {source}")
         local = os.path.join(workdir, posixpath.basename(source.rstrip("/")))
-        return download_file(source, local, attempts=attempts, progress=progress)
+        return download_file(source, local, attempts=attempts, progress=progress, logger=logger)
     if not os.path.isfile(source):
         raise DataError(f"tokenizer.path: file not found: {source}")
     return source
@@ -137,19 +146,24 @@ class StoredTokenizer:
 
 
 def store_tokenizer(
-    source: str, dest: str, *, attempts: int = 4, progress: bool = True
+    source: str,
+    dest: str,
+    *,
+    attempts: int = 4,
+    progress: bool = True,
+    logger: Logger | None = None,
 ) -> StoredTokenizer:
     """Fetch the tokenizer ``source``, check it is a tiktoken ranks file, store it under
-    ``dest``."""
+    ``dest`` (transfer retries logged to ``logger``)."""
     from titan_core.data import Tokenizer
 
     with tempfile.TemporaryDirectory(prefix="titan-tokenizer-") as workdir:
-        local = fetch_local(source, workdir, attempts=attempts, progress=progress)
+        local = fetch_local(source, workdir, attempts=attempts, progress=progress, logger=logger)
         tokenizer = Tokenizer(local)  # a DataError now if it is no tiktoken ranks file
         name = os.path.basename(local)
         staging = os.path.join(workdir, "upload")
         os.makedirs(staging)
         with open(local, "rb") as src, open(os.path.join(staging, name), "wb") as dst:
             dst.write(src.read())
-        upload_folder(staging, dest, attempts=attempts, progress=progress)
+        upload_folder(staging, dest, attempts=attempts, progress=progress, logger=logger)
     return StoredTokenizer(url=storage.join(dest, name), n_words=tokenizer.n_words)

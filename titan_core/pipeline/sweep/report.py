@@ -2,7 +2,7 @@
 one row per trial, the best one, charts of the metric against each swept key.
 
 No orchestrator and no MLflow here: the rows are filled from MLflow by
-``titan_core.pipeline.sweep_tracking``.
+``titan_core.pipeline.sweep.tracking``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_core.pipeline.sweep import format_value, short_keys
+from titan_core.pipeline.run.report import markdown_table
+from titan_core.pipeline.sweep.plan import format_value, short_keys
 
 
 @dataclass(frozen=True)
@@ -157,14 +158,14 @@ def render_markdown(
     trial, then the given markdown images (loss curves, one chart per key)."""
     lines = [f"# Sweep `{sweep_id}`: {counts(rows)}", ""]
     head = ["trial", "status", *keys, "final train loss", metric, "steps", "model version"]
-    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    table = []
     for r in rows:
         mark = " ★" if best is not None and r.index == best.index else ""
         values = dict(r.values)
         cells = [f"{r.name}{mark}", r.outcome, *(format_value(values[k]) for k in keys)]
         cells += [_cell(r.final_loss), _cell(r.metric), _cell(r.steps), _cell(r.model_version)]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
+        table.append(cells)
+    lines += [*markdown_table(head, table), ""]
     if best is not None:
         lines.append(f"Best by lowest `{metric}`: **{best.name}** ({best.metric:.4f}).")
     else:

@@ -3,7 +3,7 @@ the comparison, the report logged to the sweep's run, the best trial's model ver
 
 The trials' pipeline runs nest under the sweep's run (``mlflow.parentRunId``); their numbers are
 read with ``titan_core.pipeline.compare``'s readers, the decisions and words come from
-``titan_core.pipeline.sweep`` and ``sweep_report``. The ``sweep`` flow's tasks
+``titan_core.pipeline.sweep.plan`` and ``report``. The ``sweep`` flow's tasks
 (``tasks/sweep.py``) call these and show the result as Prefect artifacts.
 """
 
@@ -17,7 +17,6 @@ import tempfile
 from typing import Any
 
 from titan_core.config.job import JobConfig
-from titan_core.pipeline.common import redact
 from titan_core.pipeline.compare import (
     LOSS_KEY,
     PLOT_NAME,
@@ -25,16 +24,9 @@ from titan_core.pipeline.compare import (
     plot_loss_curves,
     summarize_run,
 )
-from titan_core.pipeline.report import markdown_image, mlflow_image
-from titan_core.pipeline.sweep import BEST_ALIAS, SweepPlan, TrialOutcome
-from titan_core.pipeline.sweep_report import (
-    SweepResult,
-    TrialRow,
-    best_trial,
-    plot_metric_by_key,
-    render_markdown,
-)
-from titan_core.pipeline.tracking import (
+from titan_core.pipeline.run.common import redact
+from titan_core.pipeline.run.report import markdown_image, mlflow_image
+from titan_core.pipeline.run.tracking import (
     PARENT_STAGE,
     STAGE_TAG,
     TrackingContext,
@@ -45,7 +37,15 @@ from titan_core.pipeline.tracking import (
     log_params,
     resolve_tracking_uri,
 )
-from titan_core.pipeline.training import STOPPED_TAG
+from titan_core.pipeline.stages.training import STOPPED_TAG
+from titan_core.pipeline.sweep.plan import BEST_ALIAS, SweepPlan, TrialOutcome
+from titan_core.pipeline.sweep.report import (
+    SweepResult,
+    TrialRow,
+    best_trial,
+    plot_metric_by_key,
+    render_markdown,
+)
 
 SWEEP_STAGE = "sweep"
 SWEEP_TAG = "titan.sweep_id"

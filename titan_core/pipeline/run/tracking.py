@@ -22,9 +22,9 @@ from typing import Any
 from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.errors import TitanError
-from titan_core.pipeline.common import mask_params, public_url, redact
-from titan_core.pipeline.params import config_params
-from titan_core.pipeline.storage import RunPaths, absolute
+from titan_core.pipeline.run.common import mask_params, public_url, redact
+from titan_core.pipeline.run.params import config_params
+from titan_core.pipeline.run.paths import RunPaths, absolute
 
 PARENT_STAGE = "pipeline"
 STAGE_TAG = "titan.stage"
@@ -125,7 +125,7 @@ def ensure_experiment(mlflow_client: Any, name: str, artifact_location: str | No
 
 def git_commit() -> str:
     """The commit of the project's checkout, read from ``.git`` (no git binary); or unknown."""
-    git = Path(__file__).resolve().parents[2] / ".git"
+    git = Path(__file__).resolve().parents[3] / ".git"  # titan_core/pipeline/run/
     try:
         head = (git / "HEAD").read_text().strip()
         if not head.startswith("ref: "):
@@ -171,7 +171,7 @@ def log_params(mlflow_client: Any, run_id: str, params: JobConfig | dict[str, An
     """A config (flattened) or flat params as the run's params, secrets masked."""
     from mlflow.entities import Param
 
-    from titan_core.config.manager import flatten
+    from titan_core.config.schema import flatten
 
     flat = flatten(params) if isinstance(params, JobConfig) else params
     batch = [Param(k, str(v)) for k, v in mask_params(flat).items()]

@@ -1,11 +1,12 @@
-"""Prepared data of a pipeline run: ``prepare_data``'s parameters, cache key and summary, and the
-record of the dataset a run trained on. The tasks are in ``tasks/data.py``.
+"""Prepared data of a pipeline run: ``prepare_data``'s parameters, cache key, log lines and
+summary, and the record of the dataset a run trained on. The tasks are in ``tasks/data.py``.
 
-The stage plans (lists the sources, fingerprints their files, reads an existing manifest), runs
-one ``tokenize_shard`` task per file not yet prepared and commits the new shards to the manifest
-(``titan_core.data.prepare``). The shard tasks run on local processes (``data.workers``, all
-cores by default) or, with ``data.dask_address``, on that Dask cluster through Prefect's Dask task
-runner; either way each is a task run of its own in the Prefect UI, under ``prepare_data``.
+The stage is ``titan_core.data.prepare.prepare``: it plans (lists the sources, fingerprints their
+files, reads an existing manifest), tokenizes each file not yet prepared and commits the new
+shards to the manifest. The task hands it a ``map_fn`` that runs one ``tokenize_shard`` task per
+file, on local processes (``data.workers``, all cores by default) or, with
+``data.dask_address``, on that Dask cluster through Prefect's Dask task runner; either way each
+is a task run of its own in the Prefect UI, under ``prepare_data``.
 
 ``prepare_data`` is cached by the plan's key (the dataset's fingerprint, every file's identity and
 the data root): the same sources and tokenizer show as Cached and tokenize nothing; a file
@@ -17,19 +18,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import posixpath
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_core.config.job import JobConfig
-from titan_core.data.prepare import (
-    PrepareSpec,
-    Unit,
-    plan_prepare,
-)
-from titan_core.data.shards import Manifest, is_prepared
+from titan_core.data.prepare import Plan, PrepareResult, PrepareSpec, Unit, plan_prepare
+from titan_core.data.shards import is_prepared
 from titan_core.errors import ConfigError, TitanError
+from titan_core.pipeline.run.common import Logger, redact
+
+if TYPE_CHECKING:
+    from titan_core.pipeline.run.transfer import SecretLoader
 
 # Shard workers import this module to unpickle tokenize_shard: what the parent alone needs (run
 # storage, which imports torch) is imported where it is used, so a worker starts in ~1 s, not ~5.
@@ -41,7 +41,7 @@ class PreparedData:
     """What ``prepare_data`` made: where the dataset is and how much of it this run added."""
 
     url: str
-    """The prepared dataset (``<data root>/<fingerprint>``): what ``training.dataset`` names."""
+    """The prepared dataset (``<data root>/<fingerprint>``): what ``dataloader.dataset`` names."""
     train_shards: int
     """Non-empty train shards in the manifest (the reader's stream, in order)."""
     train_tokens: int
@@ -64,7 +64,7 @@ def data_root(cfg: JobConfig) -> str:
     """Where prepared datasets live: ``data.root``, else ``<job.dump_folder>/data`` of the user's
     config (the output root; a run's config has its own folder there)."""
     from titan_core import storage
-    from titan_core.pipeline.storage import absolute
+    from titan_core.pipeline.run.paths import absolute
 
     if cfg.data.root:
         return absolute(cfg.data.root)
@@ -73,9 +73,9 @@ def data_root(cfg: JobConfig) -> str:
 
 def prepare_params(cfg: JobConfig, tokenizer_path: str) -> dict[str, Any]:
     """``prepare_data``'s parameters for ``cfg``'s ``[data]`` section and the run's tokenizer."""
-    if cfg.training.dataset_mix:
+    if cfg.dataloader.mix:
         raise ConfigError(
-            "data.sources: training.dataset_mix is set too; the mix replaces the prepared "
+            "data.sources: dataloader.mix is set too; the mix replaces the prepared "
             "dataset, so set one of them (or mix prepared dataset URLs without data.sources)"
         )
     return {
@@ -94,7 +94,7 @@ def train_on(cfg: JobConfig, prepared: PreparedData) -> JobConfig:
     """``cfg`` training on the prepared dataset; validation reads its validation split unless
     ``validation.dataset`` names another dataset."""
     return dataclasses.replace(
-        cfg, training=dataclasses.replace(cfg.training, dataset=prepared.url, dataset_path="")
+        cfg, dataloader=dataclasses.replace(cfg.dataloader, dataset=prepared.url, path="")
     )
 
 
@@ -117,23 +117,24 @@ def prepare_spec(params: dict[str, Any]) -> PrepareSpec:
 _configured: set[str] = set()
 
 
-def credentials_once(block: str) -> None:
-    """S3 credentials from the Secret block ``block``, once per process (a Dask worker on another
-    machine has only what the block gives it; local processes inherit the environment)."""
+def credentials_once(block: str, load_secret: SecretLoader) -> None:
+    """S3 credentials from the Secret block ``block`` (read by ``load_secret``), once per process
+    (a Dask worker on another machine has only what the block gives it; local processes inherit
+    the environment)."""
     if block and block not in _configured:
-        from titan_core.pipeline.storage import configure_credentials
+        from titan_core.pipeline.run.transfer import configure_credentials
 
-        configure_credentials(block)
+        configure_credentials(block, load_secret)
         _configured.add(block)
 
 
-def prepare_cache_key(params: dict[str, Any]) -> str | None:
+def prepare_cache_key(params: dict[str, Any], load_secret: SecretLoader) -> str | None:
     """``prepare_data``'s cache key: the plan's key plus the data root's location; None (no
     caching) when planning fails, so the task body raises the error itself, as one line."""
-    from titan_core.pipeline.storage import storage_identity
+    from titan_core.pipeline.run.paths import storage_identity
 
     try:
-        credentials_once(params.get("credentials_block", ""))
+        credentials_once(params.get("credentials_block", ""), load_secret)
         key = plan_prepare(prepare_spec(params)).cache_key
     except (TitanError, OSError):
         return None
@@ -141,18 +142,47 @@ def prepare_cache_key(params: dict[str, Any]) -> str | None:
     return "prepare-data-" + hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 
-def prepared_summary(
-    url: str, manifest: Manifest, new_shards: int, reused_units: int
-) -> PreparedData:
-    """What a prepared dataset holds, and what this run added to it."""
+def prepared_summary(result: PrepareResult) -> PreparedData:
+    """What a prepared dataset holds, and what this ``prepare`` call added to it."""
+    manifest = result.manifest
     train, validation = manifest.split_shards("train"), manifest.split_shards("validation")
     return PreparedData(
-        url=url,
+        url=result.url,
         train_shards=len(train),
         train_tokens=sum(s.num_tokens for s in train),
         validation_tokens=sum(s.num_tokens for s in validation),
-        new_shards=new_shards,
-        reused_units=reused_units,
+        new_shards=result.new_shards,
+        reused_units=result.reused_units,
+    )
+
+
+def log_plan(logger: Logger, dask_address: str, plan: Plan) -> None:
+    """What ``prepare`` is about to do (its ``on_plan``): nothing, the dataset being up to date,
+    or tokenize the new files on local processes or the Dask cluster."""
+    if not plan.todo:
+        logger.info(
+            "Prepared dataset %s is up to date (%d files)", redact(plan.url), plan.reused_units
+        )
+        return
+    where = f"Dask cluster {dask_address}" if dask_address else "local processes"
+    logger.info(
+        "Preparing %s: %d new files on %s, %d prepared before",
+        redact(plan.url),
+        len(plan.todo),
+        where,
+        plan.reused_units,
+    )
+
+
+def log_prepared(logger: Logger, prepared: PreparedData) -> None:
+    """What a ``prepare`` call that tokenized new files made of the dataset."""
+    logger.info(
+        "Prepared dataset %s: %d new shards; %d train shards, %s train and %s validation tokens",
+        redact(prepared.url),
+        prepared.new_shards,
+        prepared.train_shards,
+        f"{prepared.train_tokens:,}",
+        f"{prepared.validation_tokens:,}",
     )
 
 
@@ -163,13 +193,6 @@ def shard_run_label(unit: Unit) -> str:
         return url
     folder, name = posixpath.split(url)
     return posixpath.join(posixpath.basename(folder), name)
-
-
-def shard_threads(workers: int, dask_address: str, num_units: int) -> int:
-    """Encoding threads per shard process: fewer units than local cores give each unit's
-    process the idle cores' threads too (one on a Dask cluster)."""
-    cores = workers or os.cpu_count() or 1
-    return 1 if dask_address else max(1, cores // min(cores, num_units))
 
 
 def record_dataset(run_root: str, prepared: PreparedData) -> None:

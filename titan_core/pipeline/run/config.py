@@ -1,12 +1,15 @@
-"""The config a flow runs with, placed into its run root (``titan_core.config.resolve`` resolves
-the user's layers)."""
+"""The config a run trains with: the default recipe, the user's config placed into its run root
+(``titan_core.resolve`` resolves the user's layers), and the tags a run of it carries."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from titan_core.config.job import JobConfig
-from titan_core.pipeline.storage import RunPaths
+from titan_core.pipeline.run.paths import RunPaths
+
+DEFAULT_RECIPE = "llama3_debugmodel"
+"""The recipe of the pipeline flows and ``titan pipeline run`` when none is given."""
 
 
 def run_config(cfg: JobConfig, paths: RunPaths, tokenizer_url: str) -> JobConfig:
@@ -27,3 +30,12 @@ def run_config(cfg: JobConfig, paths: RunPaths, tokenizer_url: str) -> JobConfig
             save_memory_snapshot_folder="memory_snapshot",
         ),
     )
+
+
+def flow_run_tags(cfg: JobConfig, recipe: str = "") -> list[str]:
+    """The tags of a flow run of ``cfg``, to filter by in the Prefect UI: experiment, recipe
+    (when there is one) and model."""
+    tags = [f"experiment:{cfg.job.experiment}"]
+    if recipe:
+        tags.append(f"recipe:{recipe}")
+    return [*tags, f"model:{cfg.model.name}/{cfg.model.flavor}"]

@@ -1,4 +1,8 @@
-"""What every pipeline stage shares: loading the run's config, secret redaction, logging."""
+"""What every pipeline stage shares: loading the run's config, secret redaction, logging.
+
+Stage code logs to the logger its caller hands it (``Logger``: a Prefect task's run logger), else
+to the ``titan`` logger (``titan_logger``); it never asks an orchestrator for one.
+"""
 
 from __future__ import annotations
 
@@ -22,11 +26,13 @@ SECRET_ENV_VARS = (
 _SECRET_KEY_RE = re.compile(r"secret|token(?!s)|password|passwd|credential|api_key", re.IGNORECASE)
 _URL_USERINFO_RE = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
 MASK = "***"
+Logger = logging.Logger | logging.LoggerAdapter
+"""Where stage code logs: the ``titan`` logger, or a Prefect run logger (an adapter)."""
 _registered: set[str] = set()
 
 
 def register_secret(value: str) -> None:
-    """Treat ``value`` (e.g. read from a Prefect Secret block) as a secret from now on."""
+    """Treat ``value`` (e.g. read from a Secret block) as a secret from now on."""
     if value and len(value) >= 4:
         _registered.add(value)
 
@@ -65,20 +71,15 @@ def mask_params(params: dict[str, Any]) -> dict[str, Any]:
 
 def load_config(config_url: str) -> JobConfig:
     """The resolved config a run saved (``<run>/config.toml``, a path or URL), validated."""
-    from titan_core.config.manager import parse_args
+    from titan_core.resolve import parse_args
 
     return parse_args(["--job.config_file", config_url])
 
 
-def run_logger() -> logging.Logger | logging.LoggerAdapter:
-    """The Prefect run logger inside a task or flow, the ``titan`` logger elsewhere."""
-    try:
-        from prefect.exceptions import MissingContextError
-        from prefect.logging import get_run_logger
+def titan_logger() -> logging.Logger:
+    """The ``titan`` logger, set up: where stage code logs when its caller passes no logger
+    (a Prefect task passes its run logger, ``tasks.runtime.run_logger``)."""
+    from titan_core.logging import init_logger, logger
 
-        return get_run_logger()
-    except (ImportError, MissingContextError):
-        from titan_core.logging import init_logger, logger
-
-        init_logger()
-        return logger
+    init_logger()
+    return logger

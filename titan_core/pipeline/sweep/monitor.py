@@ -6,7 +6,8 @@ task tags its pipeline run as stopped (and discards a request that came too late
 
 Both sides go through what a sweep already shares with its trials, MLflow and the storage root,
 so trials on a work pool are watched too when their run roots are on shared storage. The
-monitor never fails the sweep: a read that fails is logged and tried again at the next poll.
+monitor never fails the sweep: a read that fails is logged (to the logger the flow hands it)
+and tried again at the next poll.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import threading
 from collections.abc import Iterator
 
 from titan_core.errors import first_line
-from titan_core.pipeline.common import run_logger
-from titan_core.pipeline.early_stop import EarlyStopping, StopDecision, median_stop
-from titan_core.pipeline.sweep import SweepPlan
-from titan_core.pipeline.sweep_tracking import TrialProgress, trial_progress
-from titan_core.pipeline.tracking import TrackingContext
+from titan_core.pipeline.run.common import Logger, titan_logger
+from titan_core.pipeline.run.tracking import TrackingContext
+from titan_core.pipeline.sweep.early_stop import EarlyStopping, StopDecision, median_stop
+from titan_core.pipeline.sweep.plan import SweepPlan
+from titan_core.pipeline.sweep.tracking import TrialProgress, trial_progress
 from titan_core.stop_request import request_stop
 
 _JOIN_TIMEOUT_S = 60.0  # a poll in flight when the sweep ends (one MLflow read per trial)
@@ -30,7 +31,7 @@ _JOIN_TIMEOUT_S = 60.0  # a poll in flight when the sweep ends (one MLflow read 
 def trial_steps(plan: SweepPlan) -> dict[int, tuple[int, int]]:
     """Each trial's ``training.steps`` and ``metrics.log_freq`` (by trial index), as its config
     resolves."""
-    from titan_core.config.resolve import resolve_job
+    from titan_core.resolve import resolve_job
 
     jobs = {
         t.index: resolve_job(plan.recipe, plan.config_file, plan.overrides(t)) for t in plan.trials
@@ -41,8 +42,15 @@ def trial_steps(plan: SweepPlan) -> dict[int, tuple[int, int]]:
 class TrialMonitor:
     """Watches a sweep's trials and asks the clearly worse ones to stop, each once."""
 
-    def __init__(self, tracking: TrackingContext, plan: SweepPlan, rule: EarlyStopping) -> None:
+    def __init__(
+        self,
+        tracking: TrackingContext,
+        plan: SweepPlan,
+        rule: EarlyStopping,
+        logger: Logger | None = None,
+    ) -> None:
         self.tracking, self.plan, self.rule = tracking, plan, rule
+        self.logger = logger or titan_logger()
         self._steps = trial_steps(plan)
         self._asked: set[int] = set()  # trials asked to stop
         self._progress: dict[int, TrialProgress] = {}
@@ -74,12 +82,12 @@ class TrialMonitor:
 
     def _stop(self, trial: TrialProgress, decision: StopDecision) -> None:
         """Ask the trial's trainer to stop at its next log step. Its train task tags its
-        pipeline run when the trainer did (``titan_core.pipeline.training``)."""
+        pipeline run when the trainer did (``titan_core.pipeline.stages.training``)."""
         reason = decision.reason()
         request_stop(trial.run_root, reason)
         self._asked.add(trial.index)
         name = self.plan.name(self.plan.trials[trial.index - 1])
-        run_logger().warning("%s: asked to stop early: %s", name, reason)
+        self.logger.warning("%s: asked to stop early: %s", name, reason)
 
     def watch(self) -> None:
         """Poll until ``close``; a failed poll is logged (once per distinct error), never raised."""
@@ -89,7 +97,7 @@ class TrialMonitor:
             except Exception as e:  # MLflow or storage hiccups must not end the sweep
                 if first_line(e) != self._last_error:
                     self._last_error = first_line(e)
-                    run_logger().warning("early stopping: poll failed: %s", self._last_error)
+                    self.logger.warning("early stopping: poll failed: %s", self._last_error)
 
     def close(self) -> None:
         """Stop watching (the poll in flight, if any, finishes first)."""
@@ -97,13 +105,15 @@ class TrialMonitor:
 
 
 @contextlib.contextmanager
-def watching(tracking: TrackingContext, plan: SweepPlan, rule: EarlyStopping) -> Iterator[None]:
-    """Run a ``TrialMonitor`` on a thread while the block runs (when ``rule.enable``); the
-    thread shares this context, so its logs go to the sweep's flow run."""
+def watching(
+    tracking: TrackingContext, plan: SweepPlan, rule: EarlyStopping, logger: Logger | None = None
+) -> Iterator[None]:
+    """Run a ``TrialMonitor`` logging to ``logger`` on a thread while the block runs (when
+    ``rule.enable``); the thread shares this context (the sweep's flow run)."""
     if not rule.enable:
         yield
         return
-    monitor = TrialMonitor(tracking, plan, rule)
+    monitor = TrialMonitor(tracking, plan, rule, logger)
     context = contextvars.copy_context()
     thread = threading.Thread(
         target=context.run, args=(monitor.watch,), name="sweep-monitor", daemon=True

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 from titan_core import storage
 from titan_core.config.job import JobConfig
-from titan_core.pipeline.common import load_config, redact
-from titan_core.pipeline.evaluation import Evaluation
+from titan_core.pipeline.run.common import load_config, redact
+from titan_core.pipeline.run.report import markdown_table
+from titan_core.pipeline.stages.evaluation import Evaluation
 
 CARD = "README.md"
 
@@ -48,8 +49,7 @@ class ExportFacts:
 
 def training_data(cfg: JobConfig) -> str:
     """The run's training data as one line: the mix, the prepared path or the dataset name."""
-    t = cfg.training
-    return t.dataset_mix or t.dataset_path or t.dataset
+    return cfg.dataloader.mix or cfg.dataloader.location
 
 
 def tokens_trained(cfg: JobConfig) -> int:
@@ -75,11 +75,11 @@ def _fmt(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
-def _eval_rows(facts: ExportFacts) -> list[str]:
+def _eval_rows(facts: ExportFacts) -> list[tuple[str, str]]:
     names = {"loss": "eval loss", "perplexity": "perplexity", "bits_per_byte": "bits per byte"}
     names["num_tokens"] = "eval tokens"
     m = facts.eval_metrics
-    return [f"| {label} | {_fmt(m[key])} |" for key, label in names.items() if key in m]
+    return [(label, _fmt(m[key])) for key, label in names.items() if key in m]
 
 
 def precision_note(facts: ExportFacts) -> str:
@@ -117,6 +117,13 @@ def load_snippet(export_url: str) -> str:
 def model_card(facts: ExportFacts) -> str:
     """The export's ``README.md``: what was trained, on what, how well, and how to load it."""
     recipe = f"`{facts.recipe}`" if facts.recipe else "(none: continued from a checkpoint)"
+    facts_rows = [
+        ("recipe", recipe),
+        ("model", f"{facts.family} / {facts.flavor}"),
+        ("training data", f"`{facts.dataset}`"),
+        ("training steps", f"{facts.steps:,}"),
+        ("tokens trained", f"{facts.tokens:,} (sequence length {facts.seq_len:,})"),
+    ]
     lines = [
         "---",
         "library_name: transformers",
@@ -129,14 +136,7 @@ def model_card(facts: ExportFacts) -> str:
         + (f", registered model `{facts.registered_model}`" if facts.registered_model else "")
         + ").",
         "",
-        "| | |",
-        "| --- | --- |",
-        f"| recipe | {recipe} |",
-        f"| model | {facts.family} / {facts.flavor} |",
-        f"| training data | `{facts.dataset}` |",
-        f"| training steps | {facts.steps:,} |",
-        f"| tokens trained | {facts.tokens:,} (sequence length {facts.seq_len:,}) |",
-        *_eval_rows(facts),
+        *markdown_table(2, [*facts_rows, *_eval_rows(facts)]),  # no header: facts by name
         "",
         "## Precision",
         "",

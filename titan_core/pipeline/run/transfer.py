@@ -1,13 +1,9 @@
-"""Run storage: the run-root layout, S3 credentials, access checks and retried uploads.
-
-Layout of one run (the output root ``job.dump_folder`` is a folder or ``s3://bucket/prefix``)::
-
-    <root>/<experiment>/<run_id>/
-      config.toml  tokenizer/  checkpoint/seed  checkpoint/step-N  hf/  eval/
-      profile/  memory_snapshot/  metrics.jsonl  logs/
+"""Moving run files in and out of storage: S3 credentials, access checks, retried transfers.
 
 S3 goes through s3fs, whose endpoint and credentials come from the ``AWS_*`` environment or a
-Prefect Secret block (``storage.credentials_block``) copied into it; never from block settings.
+Secret block (``storage.credentials_block``) copied into it; never from block settings. The block
+is read by the ``load_secret`` its caller hands in (``tasks.runtime.load_secret``: Prefect's).
+The layout of a run root is in ``paths``.
 """
 
 from __future__ import annotations
@@ -15,18 +11,17 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from titan_core import storage
 from titan_core.errors import TitanError
-from titan_core.pipeline.common import register_secret, run_logger
+from titan_core.pipeline.run.common import Logger, register_secret, titan_logger
 
 T = TypeVar("T")
-SEED_DIR = "checkpoint/seed"
+SecretLoader = Callable[[str], Any]
+"""The value of a named secret (a Prefect Secret block): a JSON string or a mapping."""
 _BLOCK_KEYS = {
     "aws_access_key_id": "AWS_ACCESS_KEY_ID",
     "aws_secret_access_key": "AWS_SECRET_ACCESS_KEY",
@@ -40,59 +35,13 @@ class StorageError(TitanError):
     """Storage that cannot be reached, read or written: one line naming the URL and why."""
 
 
-@dataclass(frozen=True)
-class RunPaths:
-    """Every URL of one run, derived from the output root, experiment and run id."""
-
-    root: str
-    experiment: str
-    run_id: str
-
-    @property
-    def run_root(self) -> str:
-        """``<root>/<experiment>/<run_id>``."""
-        return storage.join(self.root, self.experiment, self.run_id)
-
-    def path(self, *parts: str) -> str:
-        """A path inside the run root."""
-        return storage.join(self.run_root, *parts)
-
-    @property
-    def config(self) -> str:
-        """The resolved config the run trains with."""
-        return self.path("config.toml")
-
-    @property
-    def checkpoint(self) -> str:
-        """The checkpoint folder (seed/ and step-N/)."""
-        return self.path("checkpoint")
-
-
-def new_run_id() -> str:
-    """A sortable, unique run id: ``YYYYmmdd-HHMMSS-xxxxxx``."""
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
-
-
-def absolute(root: str) -> str:
-    """A local root as an absolute path (URLs unchanged), so every process agrees on it."""
-    return root if storage.is_url(root) else os.path.abspath(root.removeprefix("file://"))
-
-
-def storage_identity(root: str) -> str:
-    """The root plus the S3 endpoint it resolves to: cache keys must not cross servers."""
-    if root.startswith("s3://"):
-        return f"{root}@{os.environ.get('AWS_ENDPOINT_URL', 'aws')}"
-    return absolute(root)
-
-
-def configure_credentials(block: str) -> None:
-    """Copy S3 credentials from the Prefect Secret block ``block`` into the environment."""
+def configure_credentials(block: str, load_secret: SecretLoader) -> None:
+    """Copy S3 credentials from the Secret block ``block`` (read by ``load_secret``, which
+    raises ``ValueError`` for a block it cannot load) into the environment."""
     if not block:
         return
-    from prefect.blocks.system import Secret
-
     try:
-        value = Secret.load(block).get()
+        value = load_secret(block)
     except ValueError as e:
         raise StorageError(f"storage.credentials_block: cannot load {block!r}: {e}") from None
     data = json.loads(value) if isinstance(value, str) else value
@@ -157,15 +106,16 @@ def check_storage(url: str, key: str = "job.dump_folder") -> None:
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)  # retrying cannot fix these
 
 
-def with_retries(fn: Callable[[], T], what: str, attempts: int) -> T:
+def with_retries(fn: Callable[[], T], what: str, attempts: int, logger: Logger | None = None) -> T:
     """Call ``fn``, retrying transient failures (tenacity) with exponential backoff (0.5 s, 1 s,
-    2 s, ...); the last failure becomes a one-line ``StorageError``."""
+    2 s, ...), each retry logged to ``logger`` (default ``titan``); the last failure becomes a
+    one-line ``StorageError``."""
     import tenacity
 
     def warn(state: tenacity.RetryCallState) -> None:
         """Log the failure and the wait before the next attempt."""
         error = state.outcome.exception() if state.outcome else None
-        run_logger().warning(
+        (logger or titan_logger()).warning(
             "%s failed (%s); retry %d/%d in %.1fs",
             what,
             _reason(error) if error else "?",
@@ -229,8 +179,10 @@ def upload_folder(
     attempts: int = 4,
     progress: bool = True,
     on_file: Callable[[str], None] | None = None,
+    logger: Logger | None = None,
 ) -> list[str]:
-    """Upload every file under ``local_dir`` to ``url`` (each retried); returns their URLs.
+    """Upload every file under ``local_dir`` to ``url`` (each retried, retries logged to
+    ``logger``); returns their URLs.
 
     ``on_file(url)`` is called after each file lands (progress reporting).
     """
@@ -250,7 +202,7 @@ def upload_folder(
                 """Upload one file (retried as a whole)."""
                 fs.put_file(full, target, callback=bar.callback())
 
-            with_retries(put, f"upload of {rel} to {url}", attempts)
+            with_retries(put, f"upload of {rel} to {url}", attempts, logger)
             uploaded.append(storage.join(url, rel))
             if on_file is not None:
                 on_file(uploaded[-1])
@@ -259,17 +211,26 @@ def upload_folder(
     return uploaded
 
 
-def download_file(url: str, local_path: str, *, attempts: int = 4, progress: bool = True) -> str:
-    """Copy one file from ``url`` to ``local_path`` (retried, with a progress bar)."""
+def download_file(
+    url: str,
+    local_path: str,
+    *,
+    attempts: int = 4,
+    progress: bool = True,
+    logger: Logger | None = None,
+) -> str:
+    """Copy one file from ``url`` to ``local_path`` (retried, retries logged to ``logger``, with
+    a progress bar)."""
     fs, path = storage.filesystem(url)
     os.makedirs(os.path.dirname(local_path) or ".", exist_ok=True)
-    size = with_retries(lambda: fs.size(path), f"stat of {url}", attempts) or 0
+    size = with_retries(lambda: fs.size(path), f"stat of {url}", attempts, logger) or 0
     bar = _Bar(size, f"download {url}", progress)
     try:
         with_retries(
             lambda: fs.get_file(path, local_path, callback=bar.callback()),
             f"download of {url}",
             attempts,
+            logger,
         )
     finally:
         bar.bar.close()
@@ -280,8 +241,3 @@ def refresh(url: str) -> None:
     """Forget cached listings of ``url``'s filesystem: other processes (the ranks) write there."""
     fs, _ = storage.filesystem(url)
     fs.invalidate_cache()
-
-
-def same_location(a: str, b: str) -> bool:
-    """Whether two paths/URLs name the same place (local paths compared absolutely)."""
-    return absolute(a).rstrip("/") == absolute(b).rstrip("/")

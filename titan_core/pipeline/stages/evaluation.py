@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_core import storage
-from titan_core.pipeline.common import redact
-from titan_core.pipeline.tracking import TrackingContext, client, log_metrics, stage_run
+from titan_core.pipeline.run.common import redact
+from titan_core.pipeline.run.tracking import TrackingContext, client, log_metrics, stage_run
 
 EVAL_METRICS = ("loss", "perplexity", "bits_per_byte", "num_tokens")
 

@@ -1,10 +1,30 @@
-"""Pieces of the reports people read in the MLflow and Prefect UIs."""
+"""Pieces of the reports people read in MLflow and Prefect: markdown tables and images."""
 
 from __future__ import annotations
 
 import base64
 import urllib.parse
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
+
+
+def markdown_table(
+    head: Sequence[str] | int,
+    rows: Iterable[Sequence[str]],
+    *,
+    right: Collection[int] = (),
+) -> list[str]:
+    """The lines of a markdown table: ``head`` (column names, or a column count for a table
+    without them, such as key/value facts), a rule (columns in ``right`` right-aligned) and one
+    line per row of already formatted cells. Every pipeline report draws its tables here."""
+    width = head if isinstance(head, int) else len(head)
+    top = "|" + " |" * width if isinstance(head, int) else _row(head)
+    rule = "|" + "".join(" ---: |" if i in right else " --- |" for i in range(width))
+    return [top, rule, *(_row(cells) for cells in rows)]
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def png_data_uri(path: str | Path) -> str:
@@ -27,7 +47,7 @@ def mlflow_image(alt: str, run_id: str, artifact_path: str, tracking_uri: str) -
     a folder) there is no address to link, and the line names the artifact instead."""
     if not tracking_uri.startswith(("http://", "https://")):
         return f"*{alt}: `{artifact_path}`, an artifact of this run.*"
-    from titan_core.pipeline.common import public_url
+    from titan_core.pipeline.run.common import public_url
 
     query = urllib.parse.urlencode({"path": artifact_path, "run_uuid": run_id})
     return f"![{alt}]({public_url(tracking_uri).rstrip('/')}/get-artifact?{query})"

@@ -11,7 +11,7 @@ from typing import Any
 from titan_core import storage
 from titan_core.checkpoint.manager import complete_steps, read_marker
 from titan_core.config.job import JobConfig
-from titan_core.pipeline.storage import refresh
+from titan_core.pipeline.run.transfer import refresh
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def continued_config(
     prepared dataset grew since, so training continues on all of it)."""
     model_only = latest.model_only
     excluded = list(cfg.checkpoint.exclude_from_loading)
-    changed = new_data or cfg.training.dataset != previous.training.dataset
+    changed = new_data or cfg.dataloader.dataset != previous.dataloader.dataset
     if changed and "dataloader" not in excluded:
         excluded.append("dataloader")  # new data: its position in the old data means nothing
     return dataclasses.replace(

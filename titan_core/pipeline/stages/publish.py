@@ -19,16 +19,18 @@ import tempfile
 from dataclasses import asdict, dataclass, field, replace
 
 from titan_core import storage
-from titan_core.pipeline.common import redact
-from titan_core.pipeline.evaluation import Evaluation
-from titan_core.pipeline.model_card import (
+from titan_core.pipeline.run.common import redact
+from titan_core.pipeline.run.paths import absolute
+from titan_core.pipeline.run.report import markdown_table
+from titan_core.pipeline.run.tracking import TrackingContext, client, log_metrics
+from titan_core.pipeline.run.transfer import refresh
+from titan_core.pipeline.stages.evaluation import Evaluation
+from titan_core.pipeline.stages.model_card import (
     export_facts,
     location_markdown,
     version_description,
     write_model_card,
 )
-from titan_core.pipeline.storage import absolute, refresh
-from titan_core.pipeline.tracking import TrackingContext, client, log_metrics
 
 CHAMPION = "champion"
 EVAL_LOSS_TAG = "eval_loss"  # rounded for people; the champion rule reads the run's eval/loss
@@ -152,10 +154,9 @@ def summary_markdown(pub: Publication) -> str:
         f"- Hugging Face export: `{pub.hf}`",
         f"- model version: {version}" + (" (champion)" if pub.champion else ""),
         "",
-        "| metric | value |",
-        "| --- | ---: |",
     ]
-    lines += [f"| {k} | {v:.4f} |" for k, v in sorted(pub.metrics.items())]
+    rows = [(k, f"{v:.4f}") for k, v in sorted(pub.metrics.items())]
+    lines += markdown_table(["metric", "value"], rows, right={1})
     return "\n".join(lines) + "\n"
 
 

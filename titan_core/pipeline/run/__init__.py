@@ -1,0 +1,2 @@
+"""Run infrastructure: what every stage of a pipeline run shares (layout, storage transfers,
+tracking, config, logging, reports)."""
