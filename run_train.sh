@@ -30,4 +30,4 @@ args=()
 # builder as `titan launch` and the pipeline's train task); COMM_MODE runs one process that
 # simulates NGPU ranks (titan_core/comm_mode.py). `./run_train.sh --dry-run` prints the command.
 export PYTHONUNBUFFERED=1
-exec python -m flows.main train --ngpu "$NGPU" --log-rank "$LOG_RANK" "${args[@]}" "$@"
+exec python -m titan_core.cli train --ngpu "$NGPU" --log-rank "$LOG_RANK" "${args[@]}" "$@"

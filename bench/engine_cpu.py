@@ -19,9 +19,9 @@ import time
 import torch
 
 from titan_core.build import build_model_args
-from titan_core.config.manager import parse_args
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.models import get_model_spec
+from titan_core.resolve import parse_args
 from titan_core.trainer import Trainer
 
 WINDOW = 10

@@ -49,14 +49,14 @@ def main() -> int:
     os.environ.setdefault("PREFECT_HOME", os.path.join(storage, ".prefect"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from flows.cli import prepare_prefect_env
+    from titan_core.cli.pipeline import prepare_prefect_env
 
     prepare_prefect_env()
     from prefect import flow
 
-    from flows.demo import DEMO_OVERRIDES, DEMO_RECIPE
     from flows.pipeline import pretrain_pipeline
-    from titan_core.config.resolve import cli_values
+    from titan_core.cli.demo import DEMO_OVERRIDES, DEMO_RECIPE
+    from titan_core.config.argv import cli_values
 
     @flow(name="warm-up")
     def warm_up() -> None:

@@ -15,9 +15,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from titan_core.checkpoint.dcp_io import dcp_reader
-from titan_core.config.manager import parse_args
-from titan_core.convert import cli
+from titan_core.cli import convert as cli
 from titan_core.data import Tokenizer, default_tokenizer_path
+from titan_core.resolve import parse_args
 from titan_core.train import run
 
 

@@ -46,7 +46,7 @@ def tiny_overrides(*, steps: int, nproc: int, interval: int = 2) -> list[str]:
 
 def tiny_values(*, steps: int, nproc: int, interval: int = 2) -> dict[str, Any]:
     """``tiny_overrides`` as the flows take them: dotted config keys to typed values."""
-    from titan_core.config.resolve import cli_values
+    from titan_core.config.argv import cli_values
 
     return cli_values(tiny_overrides(steps=steps, nproc=nproc, interval=interval))
 

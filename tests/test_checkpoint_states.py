@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_core.checkpoint.manager import CheckpointManager
 from titan_core.checkpoint.states import LoadPlanner, TrainState, capture_rng_state
 from titan_core.config.job import Checkpoint
-from titan_core.config.manager import parse_args
 from titan_core.errors import CheckpointError
+from titan_core.resolve import parse_args
 from titan_core.train import run
 
 

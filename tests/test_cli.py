@@ -1,4 +1,4 @@
-"""The ``titan`` commands built on ``titan_core.config.command``: a bad flag or value is one
+"""The ``titan`` commands built on ``titan_core.cli.command``: a bad flag or value is one
 ``error:`` line naming it and exit code 2 (no traceback, nothing on stdout), ``--help`` exits 0,
 lists the command's own options and says that config arguments are accepted."""
 
@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from flows.main import main as titan_main
-from titan_core.config.command import CONFIG_NOTE, KEYS_NOTE, OVERRIDES_NOTE
-from titan_core.convert.cli import main as convert_main
-from titan_core.estimate.cli import main as estimate_main
-from titan_core.evaluate.cli import main as eval_main
+from titan_core.cli import main as titan_main
+from titan_core.cli.command import CONFIG_NOTE, KEYS_NOTE, OVERRIDES_NOTE
+from titan_core.cli.convert import main as convert_main
+from titan_core.cli.estimate import main as estimate_main
+from titan_core.cli.evaluate import main as eval_main
 
 Main = Callable[[list[str] | None], int]
 
@@ -196,7 +196,7 @@ def test_config_argument_errors_are_the_config_managers(capsys) -> None:
 
 def test_titan_subprocess_is_one_line() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.main", "estimate", "--ngpu", "two"],
+        [sys.executable, "-m", "titan_core.cli", "estimate", "--ngpu", "two"],
         capture_output=True,
         text=True,
         check=False,
@@ -206,7 +206,7 @@ def test_titan_subprocess_is_one_line() -> None:
 
 
 def test_values_may_start_with_a_dash(capsys) -> None:
-    from flows.sweep_cli import COMMAND as SWEEP
+    from titan_core.cli.sweep import COMMAND as SWEEP
 
     argv = ["--grid", "model.n_layers=-1,2", "--early-stop-margin", "-0.1", "--seed", "-3"]
     ns = SWEEP.parse(argv).options
@@ -219,8 +219,8 @@ def test_values_may_start_with_a_dash(capsys) -> None:
 
 
 def test_config_file_spellings_mean_the_same(tmp_path, capsys) -> None:
-    from flows.cli import PIPELINE_RUN, flow_kwargs
-    from flows.sweep_cli import sweep_kwargs
+    from titan_core.cli.pipeline import PIPELINE_RUN, flow_kwargs
+    from titan_core.cli.sweep import sweep_kwargs
 
     job = tmp_path / "job.toml"
     job.write_text("[training]\nsteps = 7\n")

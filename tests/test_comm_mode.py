@@ -13,10 +13,10 @@ from helpers import TINY, process_env
 from parallel_harness import assert_parity, run_layout
 
 from titan_core import comm_mode
-from titan_core.cli import _comm_mode_args
-from titan_core.config.manager import parse_args
+from titan_core.cli.train import _comm_mode_args
 from titan_core.errors import ConfigError
 from titan_core.models import get_flavor
+from titan_core.resolve import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ import pytest
 from mlflow import MlflowClient
 from tracking_data import log_pipeline_run
 
-from flows.main import main as titan_main
+from titan_core.cli import main as titan_main
 from titan_core.errors import ConfigError
 from titan_core.pipeline.compare import PLOT_NAME, compare_experiment, summarize_run
 

@@ -14,19 +14,13 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from titan_core.config import manager
+from titan_core.cli.config import config_main
 from titan_core.config.job import JobConfig, Slurm
-from titan_core.config.manager import (
-    ConfigManager,
-    flatten,
-    load_toml,
-    parse_args,
-    to_dict,
-    to_toml,
-    validate,
-)
+from titan_core.config.schema import flatten, schema, to_dict, to_toml, validate
+from titan_core.config.toml import load_toml
 from titan_core.errors import ConfigError
 from titan_core.models.llama3 import config_registry
+from titan_core.resolve import ConfigManager, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = ["--module", "llama3", "--config", "llama3_debugmodel"]
@@ -138,8 +132,8 @@ def test_hyphens_underscores_and_equals_are_interchangeable(argv: list[str]) -> 
 def test_boolean_flags() -> None:
     assert parse_args(["--profiling.enable_memory_snapshot"]).profiling.enable_memory_snapshot
     assert parse_args(["--profiling.enable-memory-snapshot"]).profiling.enable_memory_snapshot
-    for flag in ["--training.no_dataset_streaming", "--training.no-dataset-streaming"]:
-        assert parse_args([flag]).training.dataset_streaming is False
+    for flag in ["--dataloader.no_streaming", "--dataloader.no-streaming"]:
+        assert parse_args([flag]).dataloader.streaming is False
     argv = ["--profiling.enable_memory_snapshot", "--profiling.no-enable-memory-snapshot"]
     assert parse_args(argv).profiling.enable_memory_snapshot is False
 
@@ -351,16 +345,16 @@ def test_toml_round_trip_of_every_registry_config(tmp_path: Path, name: str) -> 
 def test_flatten_has_a_scalar_per_field() -> None:
     cfg = parse_args(["--checkpoint.exclude_from_loading", "optimizer", "dataloader"])
     flat = flatten(cfg)
-    assert list(flat) == list(manager._schema(JobConfig))  # nested sections: launch.slurm.*
+    assert list(flat) == list(schema(JobConfig))  # nested sections: launch.slurm.*
     assert flat["training.steps"] == 100 and flat["optimizer.name"] == "AdamW"
     assert flat["checkpoint.exclude_from_loading"] == "optimizer,dataloader"
     assert all(isinstance(v, bool | int | float | str) for v in flat.values())
 
 
 def test_main_prints_toml_in_process(capsys: pytest.CaptureFixture[str]) -> None:
-    assert manager.main(["--training.steps", "5"]) == 0
+    assert config_main(["--training.steps", "5"]) == 0
     assert tomllib.loads(capsys.readouterr().out)["training"]["steps"] == 5
-    assert manager.main(["--training.steps", "x"]) == 2
+    assert config_main(["--training.steps", "x"]) == 2
     assert capsys.readouterr().err == "error: --training.steps: expected an int, got 'x'\n"
 
 
@@ -455,19 +449,19 @@ def test_docs_error_examples_match_the_code(argv: list[str]) -> None:
 @pytest.mark.parametrize(
     "entries, expected",
     [
-        (["data/a=x"], r"training\.dataset_mix\[0\]: expected URL=WEIGHT with a weight > 0"),
-        (["data/a=1", "data/b"], r"training\.dataset_mix\[1\]: expected URL=WEIGHT"),
-        (["data/a=0"], r"training\.dataset_mix\[0\]: expected URL=WEIGHT with a weight > 0"),
-        (["data/a=1", "data/a=2"], r"training\.dataset_mix: expected each dataset once"),
+        (["data/a=x"], r"dataloader\.mix\[0\]: expected URL=WEIGHT with a weight > 0"),
+        (["data/a=1", "data/b"], r"dataloader\.mix\[1\]: expected URL=WEIGHT"),
+        (["data/a=0"], r"dataloader\.mix\[0\]: expected URL=WEIGHT with a weight > 0"),
+        (["data/a=1", "data/a=2"], r"dataloader\.mix: expected each dataset once"),
     ],
 )
 def test_mix_weights_that_do_not_parse_are_one_line(
     entries: list[str], expected: str, tmp_path: Path
 ) -> None:
-    """`titan train` with a bad dataset_mix: one line, exit 2, nothing written."""
-    argv = ["--job.dump_folder", str(tmp_path / "run"), "--training.dataset_mix", *entries]
+    """`titan train` with a bad dataloader.mix: one line, exit 2, nothing written."""
+    argv = ["--job.dump_folder", str(tmp_path / "run"), "--dataloader.mix", *entries]
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.main", "train", *argv],
+        [sys.executable, "-m", "titan_core.cli", "train", *argv],
         capture_output=True,
         text=True,
         timeout=120,
@@ -546,7 +540,7 @@ def test_a_config_saved_before_keys_moved_still_loads(tmp_path: Path) -> None:
 
 def test_old_flat_keys_name_the_new_key_at_every_door() -> None:
     from titan_core.config.form import flow_values
-    from titan_core.config.resolve import resolve_job
+    from titan_core.resolve import resolve_job
 
     assert config_error(["--launch.slurm_partition", "gpu"]) == (
         "unknown option --launch.slurm_partition; it moved to --launch.slurm.partition"
@@ -584,9 +578,9 @@ STORAGE_ROOT_MOVED = "it moved to {}job.dump_folder (the one output root)"
 def test_storage_root_is_refused_at_every_door_naming_job_dump_folder(tmp_path: Path) -> None:
     """``storage.root`` became ``job.dump_folder``: the CLI, flow values, the config form and a
     deployment's parameters refuse it in one line naming the new key."""
-    from flows.deploy import check_parameters
+    from titan_core.cli.deploy import check_parameters
     from titan_core.config.form import flow_values
-    from titan_core.config.resolve import resolve_job
+    from titan_core.resolve import resolve_job
 
     assert config_error(["--storage.root", "/runs"]) == (
         "unknown option --storage.root; " + STORAGE_ROOT_MOVED.format("--")
@@ -623,8 +617,8 @@ def test_an_old_toml_storage_root_is_read_as_job_dump_folder(
     config.toml, which retrain reads) loads with a warning: ``[storage] root`` becomes
     job.dump_folder, unless the file sets job.dump_folder too (an old run's config.toml, where it
     is the run's folder): then storage.root is ignored."""
-    from titan_core.config.resolve import resolve_job
     from titan_core.logging import logger
+    from titan_core.resolve import resolve_job
 
     text = '[storage]\nroot = "/old-root"\nretries = 2\n'
     if dump_folder:
@@ -646,13 +640,97 @@ def test_an_old_toml_storage_root_is_read_as_job_dump_folder(
     assert {r.getMessage() for r in caplog.records if r.levelname == "WARNING"} == {expected}
 
 
+DATALOADER_MOVED = "data-loader settings have their own [dataloader] section"
+# Every key of [dataloader] and the [training] key it was, with the value that
+# tests/data/config_saved_before_house.toml (saved before the section existed) gives it.
+OLD_DATALOADER_KEYS = {
+    "dataset": ("dataset", "titan_corpus"),
+    "path": ("dataset_path", "/data/corpus.jsonl"),
+    "split": ("dataset_split", "train"),
+    "text_field": ("dataset_text_field", "body"),
+    "streaming": ("dataset_streaming", False),
+    "streams": ("data_streams", 2),
+    "mix": ("dataset_mix", ["/data/a=0.7", "/data/b=0.3"]),
+    "shuffle": ("dataset_shuffle", True),
+    "seed": ("dataset_seed", 7),
+    "verify": ("dataset_verify", "checksum"),
+    "prefetch": ("dataset_prefetch", 4),
+    "cache_mb": ("dataset_cache_mb", 32),
+    "document_masking": ("document_masking", True),
+}
+
+
+def test_a_config_saved_before_the_dataloader_section_loads_under_the_new_keys(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A config.toml saved before [dataloader] existed (its keys under [training]) loads with
+    every value under its new key and one warning naming each old key read."""
+    from titan_core.logging import logger
+
+    assert [f.name for f in dataclasses.fields(JobConfig().dataloader)] == list(OLD_DATALOADER_KEYS)
+    path = str(REPO / "tests" / "data" / "config_saved_before_house.toml")
+    logger.addHandler(caplog.handler)
+    try:
+        cfg = parse_args(["--job.config_file", path])
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert to_dict(cfg)["dataloader"] == {new: v for new, (_, v) in OLD_DATALOADER_KEYS.items()}
+    assert (cfg.training.seq_len, cfg.training.document_positions) == (64, False)
+    read = ", ".join(
+        f"training.{old} as dataloader.{new}" for new, (old, _) in OLD_DATALOADER_KEYS.items()
+    )
+    warnings = {r.getMessage() for r in caplog.records if r.levelname == "WARNING"}
+    assert warnings == {f"{path}: old keys read as their new names: {read}"}
+    # What `titan train` saves now lists them under the new keys only.
+    saved = tomllib.loads(to_toml(cfg))
+    assert saved["dataloader"]["path"] == "/data/corpus.jsonl"
+    assert not {old for old, _ in OLD_DATALOADER_KEYS.values()} & set(saved["training"])
+
+
+@pytest.mark.parametrize(
+    "argv, new",
+    [
+        (["--training.dataset", "c4"], "--dataloader.dataset"),
+        (["--training.dataset_path", "/data"], "--dataloader.path"),
+        (["--training.dataset-text-field=body"], "--dataloader.text_field"),
+        (["--training.data_streams", "4"], "--dataloader.streams"),
+        (["--training.dataset_mix", "a=1", "b=1"], "--dataloader.mix"),  # a list
+        (["--training.document_masking"], "--dataloader.document_masking"),  # a bool
+        (["--training.no-dataset_streaming"], "--dataloader.no_streaming"),  # its no- spelling
+        (["--training.no_dataset_shuffle"], "--dataloader.no_shuffle"),
+    ],
+)
+def test_old_dataloader_flags_name_the_new_key(argv: list[str], new: str) -> None:
+    assert config_error(argv) == (
+        f"unknown option {argv[0].split('=')[0]}; it moved to {new} ({DATALOADER_MOVED})"
+    )
+
+
+def test_old_dataloader_keys_are_refused_by_flow_values_and_forms() -> None:
+    from titan_core.config.form import flow_values
+    from titan_core.resolve import resolve_job
+
+    with pytest.raises(ConfigError) as err:
+        resolve_job("llama3_debugmodel", "", flow_values(None, {"training.dataset_mix": ["a=1"]}))
+    assert str(err.value) == (
+        f"training.dataset_mix: unknown config key; it moved to dataloader.mix ({DATALOADER_MOVED})"
+    )
+    with pytest.raises(ConfigError) as err:
+        flow_values({"training": {"dataset_path": "/data"}}, None)
+    assert str(err.value) == (
+        "config.training.dataset_path: no such section or field of the job config; it moved to "
+        f"config.dataloader.path ({DATALOADER_MOVED})"
+    )
+    assert flow_values({"dataloader": {"path": "/data"}}, None) == {"dataloader.path": "/data"}
+
+
 def test_a_pipeline_run_config_is_its_run_root(tmp_path: Path) -> None:
     """A pipeline run trains with job.dump_folder = its run root: its saved config.toml resumes
     the run in place (``titan train --job.config_file <run>/config.toml``). That what runs share
     (data, the MLflow store) stays under the root is checked on real runs (test_pipeline.py,
     test_pipeline_edges.py)."""
-    from flows.config import run_config
-    from titan_core.pipeline.storage import RunPaths
+    from titan_core.pipeline.run.config import run_config
+    from titan_core.pipeline.run.paths import RunPaths
 
     root = str(tmp_path / "root")
     cfg = parse_args([*DEBUG, "--job.dump_folder", root, "--job.experiment", "line"])

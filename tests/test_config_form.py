@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from titan_core.config.argv import cli_values
 from titan_core.config.form import (
     ConfigForm,
     attribute_docstrings,
@@ -16,9 +17,10 @@ from titan_core.config.form import (
     markdown_safe,
 )
 from titan_core.config.job import JobConfig, Training
-from titan_core.config.manager import _schema, parse_args, to_dict
-from titan_core.config.resolve import cli_values, resolve_job
+from titan_core.config.schema import schema as config_schema
+from titan_core.config.schema import to_dict
 from titan_core.errors import ConfigError
+from titan_core.resolve import parse_args, resolve_job
 
 
 def test_form_has_every_section_and_field_with_help_and_no_default() -> None:
@@ -44,12 +46,12 @@ def test_form_has_every_section_and_field_with_help_and_no_default() -> None:
 
     for section, ref in schema["properties"].items():
         walk(section, ref["$ref"])
-    assert keys == list(_schema(JobConfig))
+    assert keys == list(config_schema(JobConfig))
     docs = attribute_docstrings(Training)
     steps = schema["$defs"]["TrainingForm"]["properties"]["steps"]
     assert steps["type"] == "integer"
     assert steps["description"] == docs["steps"] + " Default: 100 (empty: the recipe's value)."
-    mix = schema["$defs"]["TrainingForm"]["properties"]["dataset_mix"]
+    mix = schema["$defs"]["DataloaderForm"]["properties"]["mix"]
     assert mix["type"] == "array" and mix["items"] == {"type": "string"}
     assert mix["examples"] == [[]] and "Default: [] " in mix["description"]
     # Placeholders survive a markdown renderer (the Prefect UI's help text).
@@ -174,11 +176,11 @@ def test_config_flows_take_the_config_the_same_way() -> None:
     tracking_uri parameter)."""
     from prefect.utilities.callables import parameter_schema
 
-    from flows.cli import DEFAULT_RECIPE
     from flows.compare import compare
     from flows.pipeline import pretrain_pipeline
     from flows.retrain import retrain
     from flows.sweep import sweep
+    from titan_core.pipeline.run.config import DEFAULT_RECIPE
 
     schemas = {
         f.name: parameter_schema(f.fn).model_dump_for_openapi()

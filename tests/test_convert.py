@@ -34,19 +34,21 @@ from safetensors.torch import load_file, save_file
 from titan_core import storage
 from titan_core.build import build_model_args
 from titan_core.checkpoint.dcp_io import dcp_reader
+from titan_core.checkpoint.hf_weights import model_args_from_hf_config
 from titan_core.checkpoint.manager import COMMIT_MARKER
+from titan_core.cli import convert as cli
 from titan_core.config.job import JobConfig
-from titan_core.config.manager import load_toml, parse_args
-from titan_core.config.resolve import apply_values
-from titan_core.convert import cli
+from titan_core.config.schema import apply_values
+from titan_core.config.toml import load_toml
 from titan_core.convert.dcp_direct import DataFiles, _payload_offset, locate
 from titan_core.convert.dcp_to_hf import dcp_to_hf, hf_config
-from titan_core.convert.hf_to_dcp import hf_to_dcp, model_args_from_hf_config
+from titan_core.convert.hf_to_dcp import hf_to_dcp
 from titan_core.convert.shard_writer import ShardWriter
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.errors import ConfigError
 from titan_core.models.llama3 import Transformer, llama3_flavors
 from titan_core.models.llama3.state_dict_adapter import _to_rotate_half
+from titan_core.resolve import parse_args
 from titan_core.train import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,8 +271,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from titan_core.checkpoint.manager import CheckpointManager
 from titan_core.checkpoint.states import ModelState
-from titan_core.config.manager import parse_args
-from titan_core.convert.hf_to_dcp import (
+from titan_core.resolve import parse_args
+from titan_core.checkpoint.hf_weights import (
     list_hf_weights, load_hf_into_model, load_hf_state_dict, read_hf_model_args,
 )
 from titan_core.distributed import utils
@@ -759,7 +761,7 @@ def test_hf_to_dcp_bad_input(
 def test_convert_section_drives_the_export(job: dict[str, Any], tmp_path: Path) -> None:
     """[convert] in the job's config decides dtype and sharding; --convert.x overrides it; the
     pipeline's export stage reads the same keys (from the run's config, plus overrides)."""
-    from titan_core.pipeline.export import export_checkpoint
+    from titan_core.pipeline.stages.export import export_checkpoint
 
     text = (job["dump"] / "config.toml").read_text()
     assert '[convert]\ndtype = "bfloat16"\nmax_shard_size = "5GB"' in text  # saved by training
@@ -799,13 +801,14 @@ def test_existing_output_is_left_alone(
 
 
 def test_cli_module_entry_point(job: dict[str, Any], tmp_path: Path) -> None:
-    """`python -m titan_core.convert.cli`: exit 2 and one stderr line for a bad checkpoint."""
+    """`python -m titan_core.cli convert`: exit 2 and one stderr line for a bad checkpoint."""
     output = tmp_path / "hf"
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
-            "titan_core.convert.cli",
+            "titan_core.cli",
+            "convert",
             "dcp-to-hf",
             "--checkpoint",
             str(tmp_path / "nope"),

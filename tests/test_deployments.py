@@ -39,8 +39,8 @@ from pipeline_servers import (
 )
 from tracking_data import log_pipeline_run
 
-from flows.deploy import DEFAULT_POOL
 from titan_core.checkpoint.manager import complete_steps
+from titan_core.cli.deploy import DEFAULT_POOL
 from titan_core.config.job import JobConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,8 +222,8 @@ def test_local_export_registers_on_a_tracking_server(stack: Stack, tmp_path: Pat
     to them and registered from there, and the version's files download intact."""
     from mlflow.tracking import MlflowClient
 
-    from titan_core.pipeline.publish import register_version, registrable_source
-    from titan_core.pipeline.tracking import TrackingContext
+    from titan_core.pipeline.run.tracking import TrackingContext
+    from titan_core.pipeline.stages.publish import register_version, registrable_source
 
     export = tmp_path / "hf"
     export.mkdir()

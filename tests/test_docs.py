@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from titan_core.config.job import Launch
-from titan_core.config.manager import parse_args
 from titan_core.models import family_names
+from titan_core.resolve import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -124,7 +124,7 @@ def test_documented_command_resolves(
 
 def _dry_run(line: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> str:
     """Run a documented ``titan launch --dry-run`` in this process; returns what it printed."""
-    from titan_core.launch.cli import main
+    from titan_core.cli.launch import main
 
     env, words = _split_env(line)
     for key, value in env.items():
@@ -199,8 +199,8 @@ def test_documented_pipeline_runs_on_slurm_resolve(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`titan pipeline run` lines of the multi-node docs (pipeline.md's: test_pipeline_edges)."""
-    from flows.cli import PIPELINE_RUN, flow_kwargs
-    from titan_core.config.resolve import resolve_job
+    from titan_core.cli.pipeline import PIPELINE_RUN, flow_kwargs
+    from titan_core.resolve import resolve_job
 
     _setup(tmp_path, monkeypatch)
     lines = [

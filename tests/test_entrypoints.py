@@ -57,7 +57,7 @@ def test_titan_demo_resumes_when_run_again(tmp_path: Path, assets: Path) -> None
     args = [
         sys.executable,
         "-m",
-        "flows.main",
+        "titan_core.cli",
         "demo",
         "--engine-only",  # the engine's own resume path (plain `titan demo` runs the pipeline)
         "--steps",
@@ -99,7 +99,7 @@ def test_titan_config_prints_resolved_toml() -> None:
         [
             sys.executable,
             "-m",
-            "flows.main",
+            "titan_core.cli",
             "config",
             "--module",
             "llama3",
@@ -122,7 +122,7 @@ def test_titan_train_error_is_one_line(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "flows.main",
+            "titan_core.cli",
             "train",
             "--module",
             "llama3",

@@ -17,12 +17,12 @@ import pytest
 import torch
 from helpers import TINY
 
-from titan_core.config.manager import parse_args
+from titan_core.cli.estimate import main
 from titan_core.errors import ConfigError
 from titan_core.estimate import estimate, fits
 from titan_core.estimate.activations import profile_layout
-from titan_core.estimate.cli import main
 from titan_core.estimate.layout import build_layout, rank_param_shapes
+from titan_core.resolve import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = ["--module", "llama3", "--config", "llama3_debugmodel"]
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from titan_core.config.manager import parse_args
+from titan_core.resolve import parse_args
 from titan_core.trainer import Trainer
 
 world = int(os.environ["WORLD_SIZE"])
@@ -360,7 +360,7 @@ def test_405b_on_64_ranks_is_fast_and_allocates_nothing() -> None:
     """405B at 64 ranks (tp 8 x dp_shard 8) estimates in seconds with a small resident set."""
     code = (
         "import resource, sys\n"
-        "from titan_core.estimate.cli import main\n"
+        "from titan_core.cli.estimate import main\n"
         "rc = main(['--ngpu', '64', '--module', 'llama3', '--config', 'llama3_405b', '--json'])\n"
         "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
         "sys.exit(rc)\n"

@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titan_core.checkpoint.manager import COMMIT_MARKER
-from titan_core.config.manager import parse_args
-from titan_core.config.resolve import apply_values
+from titan_core.cli.evaluate import main as eval_main
+from titan_core.cli.evaluate import parse_eval_args
+from titan_core.config.schema import apply_values
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.evaluate import (
     compute_metrics,
@@ -33,10 +34,9 @@ from titan_core.evaluate import (
     generate_samples,
     token_byte_lengths,
 )
-from titan_core.evaluate.cli import main as eval_main
-from titan_core.evaluate.cli import parse_eval_args
 from titan_core.evaluate.harness import local_copy
 from titan_core.models import get_flavor, get_model_spec
+from titan_core.resolve import parse_args
 from titan_core.train import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +198,7 @@ def test_cli_writes_report_with_overrides(run_dir: Path, tmp_path: Path) -> None
 def test_evaluate_section_drives_eval(run_dir: Path, tmp_path: Path) -> None:
     """[evaluate] in the job's config decides batches, prompts and sample length; --evaluate.x
     overrides it; the pipeline's evaluate stage reads the same keys (plus overrides)."""
-    from titan_core.pipeline.evaluation import evaluate_stage
+    from titan_core.pipeline.stages.evaluation import evaluate_stage
 
     saved = tomllib.loads((run_dir / "config.toml").read_text())
     assert saved["evaluate"]["batches"] == 20  # training saved the section with the run
@@ -256,7 +256,7 @@ def test_torchrun_two_ranks_equal_one(run_dir: Path, tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0",
-         "-m", "titan_core.evaluate.cli", "--checkpoint", ckpt,
+         "-m", "titan_core.cli", "eval", "--checkpoint", ckpt,
          "--output", str(tmp_path / "two"), *common],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True, text=True, timeout=300,
@@ -325,7 +325,7 @@ def test_bad_input_is_one_line(
 def test_flavor_mismatch_subprocess_is_one_line(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "titan_core.evaluate.cli", "--checkpoint",
+        [sys.executable, "-m", "titan_core.cli", "eval", "--checkpoint",
          str(run_dir / "checkpoint"), "--output", str(out), "--model.flavor", "debugmodel"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -449,7 +449,7 @@ def test_documented_commands_parse(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     for block in re.findall(r"```bash\n(.*?)```", doc, re.S):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line.split("  #")[0])
-            for head in (["titan", "eval"], ["titan_core.evaluate.cli"]):
+            for head in (["titan", "eval"], ["titan_core.cli", "eval"]):
                 starts = [i for i in range(len(words)) if words[i : i + len(head)] == head]
                 if starts:
                     commands.append(words[starts[0] + len(head) :])

@@ -186,7 +186,7 @@ def test_local_multinode_agents_share_one_rendezvous() -> None:
 
 
 def test_rank_filter_keeps_global_ranks_and_agent_lines() -> None:
-    from titan_core.launch.local import rank_filter
+    from titan_core.launch.torchrun import rank_filter
 
     keep = rank_filter("0,3")
     assert keep("[rank0]:loss") and keep("[rank3]:x") and not keep("[rank1]:x")
@@ -202,9 +202,9 @@ def test_local_multinode_failure_of_one_agent_ends_the_job(
     for its peer until the launcher's grace period stops it."""
     import time
 
-    from titan_core.launch import local
+    from titan_core.launch import supervise
 
-    monkeypatch.setattr(local, "PEER_GRACE_S", 1.0)
+    monkeypatch.setattr(supervise, "PEER_GRACE_S", 1.0)
     (tmp_path / "job.py").write_text(JOB)
     launch = Launch(backend="local_multinode", nnodes=2, log_ranks="all")
     spec = LaunchSpec(args=[], launch=launch, module="job", env={"PYTHONPATH": str(tmp_path)})
@@ -335,7 +335,7 @@ def test_slurm_states_map_to_one_line_errors(tmp_path: Path) -> None:
 def test_titan_launch_dry_run_prints_without_running(
     capsys: pytest.CaptureFixture[str], assets: Path
 ) -> None:
-    from flows.main import main
+    from titan_core.cli import main
 
     argv = ["launch", "--dry-run", "--module", "llama3", "--config", "llama3_debugmodel_tiny"]
     assert main([*argv, "--launch.backend", "slurm", "--launch.nnodes", "2"]) == 0
@@ -396,7 +396,7 @@ def test_engine_lines_carry_one_rank_tag(launcher_env: dict[str, str] | None, pr
     """Under plain torchrun the engine tags its lines with the rank; under titan's launchers
     (whose torchrun already writes ``[rankN]:``) it does not, so no line reads
     ``[rank1]:[rank1]``."""
-    from titan_core.launch.local import launcher_variables
+    from titan_core.launch.torchrun import launcher_variables
 
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
     env.update(launcher_variables(Launch()) if launcher_env is None else launcher_env)
@@ -415,7 +415,8 @@ def test_titan_train_run_train_sh_and_the_train_task_render_one_command(tmp_path
     import re
 
     from titan_core.config.job import JobConfig
-    from titan_core.config.manager import load_toml, to_toml
+    from titan_core.config.schema import to_toml
+    from titan_core.config.toml import load_toml
     from titan_core.launch import train_spec
 
     root = Path(__file__).resolve().parents[1]
@@ -434,7 +435,7 @@ def test_titan_train_run_train_sh_and_the_train_task_render_one_command(tmp_path
         return proc.stdout.strip()
 
     titan = rendered(
-        [sys.executable, "-m", "flows.main", "train", "--ngpu", "2", "--dry-run",
+        [sys.executable, "-m", "titan_core.cli", "train", "--ngpu", "2", "--dry-run",
          "--job.config_file", str(config)]
     )  # fmt: skip
     script = rendered([str(root / "run_train.sh"), "--dry-run"], NGPU="2", CONFIG_FILE=str(config))
@@ -456,7 +457,7 @@ def test_titan_launch_runs_the_pipeline_preflight(
 ) -> None:
     """``titan launch`` goes through the pipeline's preflight (a fake-backend dry run and the
     memory budget) before it starts anything: too small a device is one line, nothing runs."""
-    from flows.main import main
+    from titan_core.cli import main
     from titan_core.logging import init_logger, logger
 
     dump = tmp_path / "out"

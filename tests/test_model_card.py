@@ -10,14 +10,14 @@ import dataclasses
 
 import pytest
 
-from titan_core.config.manager import parse_args
-from titan_core.pipeline.model_card import (
+from titan_core.pipeline.stages.model_card import (
     ExportFacts,
     location_markdown,
     model_card,
     tokens_trained,
     version_description,
 )
+from titan_core.resolve import parse_args
 
 FACTS = ExportFacts(
     run_id="20260101-120000-ab12cd",

@@ -1,14 +1,12 @@
 """The model protocol from the outside: self-describing checkpoints (convert, eval and train
 with no config), a third family registered from this file that trains, resumes and converts
-without engine changes, the import graph's layering, and bad model input on the CLIs."""
+without engine changes, and bad model input on the CLIs (layering: tests/test_layers.py)."""
 
 from __future__ import annotations
 
-import ast
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,12 +21,11 @@ from toy_family import TOY_SPEC, ToyArgs
 
 from titan_core.build import build_model_args, check_job
 from titan_core.checkpoint.manager import read_marker
-from titan_core.config.manager import parse_args
-from titan_core.convert import cli as convert_cli
+from titan_core.cli import convert as convert_cli
+from titan_core.cli.evaluate import main as eval_main
 from titan_core.convert.dcp_to_hf import hf_config
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.errors import CheckpointError, ConfigError
-from titan_core.evaluate.cli import main as eval_main
 from titan_core.logging import logger
 from titan_core.models import (
     ENTRY_POINT_GROUP,
@@ -38,6 +35,7 @@ from titan_core.models import (
     register_model_spec,
     unregister_model_spec,
 )
+from titan_core.resolve import parse_args
 from titan_core.train import main as train_main
 from titan_core.train import run
 
@@ -209,105 +207,6 @@ def test_plugin_entry_point_reaches_every_process(tmp_path: Path, assets: Path) 
     assert read_marker(str(tmp_path / "run" / "checkpoint" / "step-1"))["model"]["name"] == "toy"
 
 
-# ---------------------------------------------------------------- layering: the import graph
-PACKAGE = ROOT / "titan_core"
-_PLUGIN_LAYERS = re.compile(r"^(flows|tasks)(\.[\w.]+)?(:\w+)?$")
-
-
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _imports(path: Path) -> tuple[set[str], set[str], set[str]]:
-    """(imports run at import time, imports inside functions or TYPE_CHECKING, string constants
-    that look like module paths of the pipeline layers) of one source file."""
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    tree = ast.parse(path.read_text(), str(path))
-    at_import, deferred, strings = set(), set(), set()
-
-    def visit(node: ast.AST, deferred_here: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            later = deferred_here or isinstance(
-                child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
-            )
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                later = True
-            targets: list[str] = []
-            if isinstance(child, ast.Import):
-                targets = [a.name for a in child.names]
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    anchor = package.rsplit(".", child.level - 1)[0] if child.level > 1 else package
-                    base = f"{anchor}.{base}" if base else anchor
-                targets = [base] + [f"{base}.{a.name}" for a in child.names]
-            elif isinstance(child, ast.Constant) and _PLUGIN_LAYERS.match(str(child.value)):
-                strings.add(child.value)
-            (deferred if later else at_import).update(targets)
-            visit(child, later)
-
-    visit(tree, False)
-    return at_import, deferred, strings
-
-
-def _graph() -> dict[str, tuple[set[str], set[str], set[str]]]:
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {}
-    for name, path in modules.items():
-        at_import, deferred, strings = _imports(path)
-        # ``from pkg import name`` imports pkg, and pkg.name only when that is a module
-        graph[name] = (
-            {t for t in at_import if t in modules and t != name},
-            {t for t in deferred if t in modules and t != name},
-            strings | {t for t in at_import | deferred if _PLUGIN_LAYERS.match(t)},
-        )
-    return graph
-
-
-def _cycle(edges: dict[str, set[str]]) -> list[str]:
-    """One import cycle in ``edges`` (empty when there is none)."""
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def walk(node: str) -> list[str]:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(edges.get(node, ())):
-            if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt) :], nxt]
-            if nxt not in state and (found := walk(nxt)):
-                return found
-        state[node] = 2
-        stack.pop()
-        return []
-
-    for node in sorted(edges):
-        if node not in state and (found := walk(node)):
-            return found
-    return []
-
-
-def test_import_graph_layering() -> None:
-    """No import-time cycle inside titan_core; titan_core never reaches the pipeline layers
-    (flows, tasks), not even through importlib strings; a family is imported only by itself
-    (the registry names the built-ins as strings)."""
-    graph = _graph()
-    assert len(graph) > 50
-    cycle = _cycle({name: at_import for name, (at_import, _, _) in graph.items()})
-    assert not cycle, "import-time cycle: " + " -> ".join(cycle)
-    reaching = {name: sorted(s) for name, (_, _, s) in graph.items() if s}
-    assert not reaching, f"titan_core modules naming flows/tasks: {reaching}"
-    families = {p.parent.name for p in (PACKAGE / "models").glob("*/__init__.py")} - {"common"}
-    assert {"llama3", "qwen3"} <= families
-    for name, (at_import, deferred, _) in graph.items():
-        for target in at_import | deferred:
-            parts = target.split(".")
-            if parts[:2] == ["titan_core", "models"] and len(parts) > 2 and parts[2] in families:
-                assert name.startswith(".".join(parts[:3])), f"{name} imports {target}"
-
-
 # ---------------------------------------------------------------- bad model input on the CLIs
 def _unsupported_hf(folder: Path) -> list[str]:
     folder.mkdir()
@@ -337,7 +236,7 @@ _BAD_MODEL = {
 def test_bad_model_input_is_one_line(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], assets: Path
 ) -> None:
-    from flows.main import main as titan
+    from titan_core.cli import main as titan
 
     argv, expected = _BAD_MODEL[case]
     capsys.readouterr()

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from titan_core import comm_mode
-from titan_core.config.manager import parse_args
+from titan_core.cli import estimate as cli
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.errors import ConfigError
-from titan_core.estimate import cli
 from titan_core.estimate.fake_moe import even_splits
 from titan_core.estimate.layout import build_layout, rank_param_shapes
 from titan_core.models import get_flavor
+from titan_core.resolve import parse_args
 from titan_core.train import run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,10 +15,10 @@ from mlflow import MlflowClient
 from titan_core.components.loss import cross_entropy_loss
 from titan_core.components.mlflow_sink import RUN_ID_ENV, TRACKING_URI_ENV
 from titan_core.components.moe_stats import load_metrics
-from titan_core.config.manager import parse_args
 from titan_core.logging import init_logger, logger
 from titan_core.models import get_flavor
 from titan_core.models.common.moe import moe_layers
+from titan_core.resolve import parse_args
 from titan_core.train import run
 from titan_core.trainer import Trainer
 

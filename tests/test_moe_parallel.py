@@ -270,7 +270,7 @@ def test_bad_ep_is_one_line_before_launch(
     dump = tmp_path / "run"
     dump_arg = ["--job.dump_folder", str(dump)]
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.main", "train", "--ngpu", str(ngpu), *argv, *dump_arg],
+        [sys.executable, "-m", "titan_core.cli", "train", "--ngpu", str(ngpu), *argv, *dump_arg],
         capture_output=True,
         text=True,
         timeout=120,

@@ -121,8 +121,8 @@ def test_bad_parallel_config_one_line_before_launch(
     expected: str,
 ) -> None:
     """`titan train --ngpu N` rejects the config with one line; torchrun never starts."""
-    from flows import main as cli
-    from titan_core import cli as engine_cli
+    import titan_core.cli as cli
+    from titan_core.cli import train as engine_cli
 
     def no_launch(*_: object) -> None:
         raise AssertionError("torchrun was launched for a bad config")

@@ -27,7 +27,7 @@ from pipeline_helpers import (
 )
 
 from titan_core.checkpoint.manager import FAULT_ENV, complete_steps
-from titan_core.config.manager import flatten
+from titan_core.config.schema import flatten
 
 EXPERIMENT = "s3line"
 HF_REPO, HF_FILE = "titan-org/tiny-bpe", "tokenizer/titan_bpe.tiktoken"
@@ -182,7 +182,7 @@ def _stored_params(s3_server: Any, run_root: str) -> dict[str, str]:
 
 
 def test_mlflow_parent_and_stage_runs(first_run: dict, line: dict, s3_server: Any) -> None:
-    from titan_core.config.resolve import resolve_job
+    from titan_core.resolve import resolve_job
 
     client = _client(line)
     parent = client.get_run(first_run["result"]["mlflow_run_id"])

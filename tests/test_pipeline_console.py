@@ -38,7 +38,7 @@ def test_malformed_input_is_one_console_line_without_traceback(
         expected = "error: job.dump_folder:"
     started = datetime.datetime.now(datetime.UTC)
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.main", "pipeline", "run", *argv],
+        [sys.executable, "-m", "titan_core.cli", "pipeline", "run", *argv],
         env=env,
         capture_output=True,
         text=True,

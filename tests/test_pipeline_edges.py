@@ -23,7 +23,7 @@ from titan_core.errors import ConfigError
 def test_upload_is_retried_across_an_s3_restart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from titan_core.pipeline.storage import upload_folder
+    from titan_core.pipeline.run.transfer import upload_folder
 
     s3 = start_restartable_s3(tmp_path / "s3")
     try:
@@ -141,9 +141,10 @@ def test_documented_pipeline_commands_resolve(
 ) -> None:
     import shlex
 
-    from flows.cli import PIPELINE_RUN, flow_kwargs
-    from flows.demo import DEMO, DEMO_OVERRIDES, DEMO_RECIPE
-    from titan_core.config.resolve import cli_values, resolve_job
+    from titan_core.cli.demo import DEMO, DEMO_OVERRIDES, DEMO_RECIPE
+    from titan_core.cli.pipeline import PIPELINE_RUN, flow_kwargs
+    from titan_core.config.argv import cli_values
+    from titan_core.resolve import resolve_job
 
     monkeypatch.chdir(tmp_path)
     Path("my_job.toml").write_text("[training]\nsteps = 5\n")
@@ -162,9 +163,9 @@ def test_documented_pipeline_commands_resolve(
 def test_pipeline_cli_spells_settings_as_config_keys(capsys: pytest.CaptureFixture) -> None:
     """Settings are config keys, passed to the flow as typed dotted keys; the old flags and a
     bad key are one line, before Prefect starts."""
-    from flows.cli import PIPELINE_RUN, flow_kwargs
-    from flows.cli import main as pipeline_main
-    from flows.demo import main as demo_main
+    from titan_core.cli.demo import main as demo_main
+    from titan_core.cli.pipeline import PIPELINE_RUN, flow_kwargs
+    from titan_core.cli.pipeline import main as pipeline_main
 
     argv = ["--config", "qwen3_debugmodel_tiny", "--job.dump_folder", "s3://b/runs"]
     argv += ["--tracking.uri", "http://mlflow:5000", "--evaluate.batches", "0"]
@@ -214,7 +215,7 @@ def test_titan_demo_runs_the_pipeline_with_embedded_prefect(tmp_path: Path, asse
     env = {k: v for k, v in os.environ.items() if not k.startswith(services)}
     env.update(OMP_NUM_THREADS="1", PREFECT_HOME=str(tmp_path / "prefect"))
     out = tmp_path / "out"
-    argv = [sys.executable, "-m", "flows.main", "demo", "--steps", "2"]
+    argv = [sys.executable, "-m", "titan_core.cli", "demo", "--steps", "2"]
     argv += ["--job.dump_folder", str(out)]
     argv += ["--model.flavor", "debugmodel_tiny", "--launch.nproc_per_node", "1"]
     argv += [*tiny_overrides(steps=2, nproc=1), "--lr_scheduler.warmup_steps", "1"]
@@ -242,8 +243,9 @@ def test_s3_credentials_from_a_prefect_secret_block(
 
     from prefect.blocks.system import Secret
 
-    from titan_core.pipeline.common import redact
-    from titan_core.pipeline.storage import StorageError, check_storage, configure_credentials
+    from tasks.runtime import load_secret
+    from titan_core.pipeline.run.common import redact
+    from titan_core.pipeline.run.transfer import StorageError, check_storage, configure_credentials
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)
@@ -254,8 +256,8 @@ def test_s3_credentials_from_a_prefect_secret_block(
         "endpoint_url": s3_server.endpoint_url,
     }
     Secret(value=json.dumps(creds)).save("titan-s3-test", overwrite=True)
-    configure_credentials("titan-s3-test")
+    configure_credentials("titan-s3-test", load_secret)
     check_storage(s3_server.url("from-block"))  # reachable with the block's credentials only
     assert redact(f"key={s3_server.secret_key}") == "key=***"
     with pytest.raises(StorageError, match=r"^storage.credentials_block: cannot load 'nope'"):
-        configure_credentials("nope")
+        configure_credentials("nope", load_secret)

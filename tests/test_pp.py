@@ -18,7 +18,6 @@ import pytest
 import torch
 from parallel_harness import MODEL, assert_parity, run_layout, train_layout
 
-from titan_core.config.manager import parse_args
 from titan_core.distributed.pipeline_parallel import (
     SCHEDULES,
     ModelPartsView,
@@ -28,6 +27,7 @@ from titan_core.distributed.pipeline_parallel import (
 from titan_core.errors import ConfigError
 from titan_core.models import get_flavor, get_model_spec
 from titan_core.models.common.pipeline import plan_pipeline
+from titan_core.resolve import parse_args
 from titan_core.trainer import Trainer
 
 STEPS = 3

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from titan_core.data import cli as data_cli
+from titan_core.cli import data as data_cli
 from titan_core.data.assets import bundled_corpus_dir, default_tokenizer_path
 from titan_core.data.prepare import (
     PrepareSpec,
@@ -400,7 +400,7 @@ def test_manifest_from_another_tokenizer_is_refused(
 def _titan(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "flows.main", "data", *args],
+        [sys.executable, "-m", "titan_core.cli", "data", *args],
         capture_output=True, text=True, timeout=300, cwd=cwd, env=env,
     )  # fmt: skip
 

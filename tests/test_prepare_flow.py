@@ -17,7 +17,7 @@ from pipeline_helpers import run_flow, task_runs
 from prefect import flow
 
 from tasks.data import prepare_data
-from titan_core.pipeline.data import PreparedData
+from titan_core.pipeline.stages.data import PreparedData
 
 pytestmark = pytest.mark.multiprocess
 DOCS_PER_FILE = 30
@@ -213,9 +213,9 @@ def test_bad_input_fails_the_stage_once_with_one_line(
 def test_retrain_drops_the_data_position_only_when_the_dataset_grew(tmp_path: Path) -> None:
     import dataclasses
 
-    from titan_core.config.resolve import resolve_job
-    from titan_core.pipeline.data import dataset_grew, record_dataset
-    from titan_core.pipeline.model_line import CheckpointInfo, continued_config
+    from titan_core.pipeline.stages.data import dataset_grew, record_dataset
+    from titan_core.pipeline.stages.model_line import CheckpointInfo, continued_config
+    from titan_core.resolve import resolve_job
 
     prepared = PreparedData(
         url=str(tmp_path / "data" / "0123456789abcdef"),
@@ -232,7 +232,7 @@ def test_retrain_drops_the_data_position_only_when_the_dataset_grew(tmp_path: Pa
     assert not dataset_grew(run_root, prepared)
     assert dataset_grew(run_root, grown)
     assert not dataset_grew(run_root, dataclasses.replace(grown, url=str(tmp_path / "other")))
-    cfg = resolve_job("llama3_debugmodel_tiny", "", {"training.dataset": prepared.url})
+    cfg = resolve_job("llama3_debugmodel_tiny", "", {"dataloader.dataset": prepared.url})
     latest = CheckpointInfo(
         step_dir=f"{run_root}/checkpoint/step-6",
         run_root=run_root,
@@ -254,7 +254,7 @@ def test_retrain_re_resolves_the_autos_a_saved_config_froze() -> None:
     import dataclasses
 
     from titan_core.config.job import JobConfig
-    from titan_core.pipeline.model_line import reresolve_autos
+    from titan_core.pipeline.stages.model_line import reresolve_autos
 
     cfg = JobConfig()
     saved = dataclasses.replace(

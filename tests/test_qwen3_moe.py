@@ -24,13 +24,12 @@ from hf_helpers import (
 from safetensors.torch import save_file
 
 from titan_core.checkpoint.dcp_io import dcp_reader
-from titan_core.config.manager import parse_args
-from titan_core.convert import cli
+from titan_core.cli import convert as cli
+from titan_core.cli.evaluate import main as eval_main
 from titan_core.convert import dcp_to_hf as dcp_to_hf_module
 from titan_core.convert.dcp_to_hf import hf_config
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.errors import CheckpointError
-from titan_core.evaluate.cli import main as eval_main
 from titan_core.models import describe_model, model_from_description
 from titan_core.models.common.moe import MoE, MoEArgs, moe_layers
 from titan_core.models.qwen3_moe import Qwen3MoeModel, Qwen3MoeModelArgs, qwen3_moe_flavors
@@ -40,6 +39,7 @@ from titan_core.models.qwen3_moe.state_dict_adapter import (
     to_hf,
     to_hf_config,
 )
+from titan_core.resolve import parse_args
 from titan_core.train import main as train_main
 from titan_core.train import run
 

@@ -15,7 +15,7 @@ import pytest
 from parallel_harness import QWEN3_MODEL, SEQ_LEN, assert_parity, run_layout, train_layout
 
 from titan_core import comm_mode
-from titan_core.config.manager import parse_args
+from titan_core.resolve import parse_args
 
 pytestmark = pytest.mark.multiprocess
 

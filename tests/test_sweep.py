@@ -14,16 +14,16 @@ import pytest
 from helpers import TINY
 from pipeline_helpers import flow_run, run_flow, task_runs, tiny_overrides, tiny_values
 
-from flows.main import main as titan_main
+from titan_core.cli import main as titan_main
 from titan_core.errors import ConfigError
-from titan_core.pipeline.sweep import (
+from titan_core.pipeline.sweep.plan import (
     BEST_ALIAS,
     expand,
     parse_grid_arg,
     parse_random_arg,
     plan_sweep,
 )
-from titan_core.pipeline.sweep_report import format_table
+from titan_core.pipeline.sweep.report import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = TINY[-1]  # llama3_debugmodel_tiny
@@ -166,7 +166,7 @@ def _doc_commands() -> list[str]:
 def test_documented_sweeps_resolve_every_trial(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.sweep_cli import sweep_kwargs
+    from titan_core.cli.sweep import sweep_kwargs
 
     monkeypatch.chdir(tmp_path)
     commands = _doc_commands()
@@ -177,7 +177,7 @@ def test_documented_sweeps_resolve_every_trial(
 
 
 def test_best_trial_is_the_lowest_finished_metric() -> None:
-    from titan_core.pipeline.sweep_report import TrialRow, best_trial
+    from titan_core.pipeline.sweep.report import TrialRow, best_trial
 
     def row(index: int, status: str, metric: float | None) -> TrialRow:
         return TrialRow(index, f"trial-{index}", f"r{index}", status, (), metric=metric)
@@ -188,7 +188,7 @@ def test_best_trial_is_the_lowest_finished_metric() -> None:
 
 
 def test_a_trial_stopped_early_is_best_only_when_none_completed() -> None:
-    from titan_core.pipeline.sweep_report import TrialRow, best_trial
+    from titan_core.pipeline.sweep.report import TrialRow, best_trial
 
     stopped = TrialRow(1, "trial-1", "r1", "stopped", (), metric=1.0, stopped_at=4)
     completed = TrialRow(2, "trial-2", "r2", "completed", (), metric=2.0)
@@ -207,7 +207,7 @@ def _curve(*losses: float, every: int = 1) -> list[tuple[int, float]]:
 
 
 def _rule(**settings: Any) -> Any:
-    from titan_core.pipeline.early_stop import EarlyStopping
+    from titan_core.pipeline.sweep.early_stop import EarlyStopping
 
     return EarlyStopping(
         **{"enable": True, "min_steps": 2, "min_trials": 2, "window": 1} | settings
@@ -215,7 +215,7 @@ def _rule(**settings: Any) -> Any:
 
 
 def test_median_rule_stops_a_trial_worse_than_the_median_at_its_step() -> None:
-    from titan_core.pipeline.early_stop import median_stop
+    from titan_core.pipeline.sweep.early_stop import median_stop
 
     others = [_curve(5, 4, 3), _curve(5, 4.5, 3.5), _curve(5, 6, 7)]  # median at step 3: 3.5
     decision = median_stop(_curve(5, 5, 4), others, _rule())
@@ -232,7 +232,7 @@ def test_median_rule_stops_a_trial_worse_than_the_median_at_its_step() -> None:
 
 
 def test_median_rule_waits_for_the_grace_period_and_enough_trials() -> None:
-    from titan_core.pipeline.early_stop import median_stop
+    from titan_core.pipeline.sweep.early_stop import median_stop
 
     bad = _curve(9, 9, 9)
     assert median_stop(bad, [_curve(1, 1, 1)] * 2, _rule(min_steps=4)) is None  # grace
@@ -249,7 +249,7 @@ def test_median_rule_waits_for_the_grace_period_and_enough_trials() -> None:
 def test_median_rule_judges_a_trial_ahead_of_the_others_where_they_are() -> None:
     """Trials running side by side: the one in the lead is judged at the newest step that
     ``min_trials`` others reached, not left alone until they catch up."""
-    from titan_core.pipeline.early_stop import judged_step, median_stop
+    from titan_core.pipeline.sweep.early_stop import judged_step, median_stop
 
     ahead = _curve(9, 9, 9, 9, 9, every=10)  # at step 50
     others = [_curve(3, 3, 3, every=10), _curve(3, 3, 3, 3, every=10), _curve(3, every=10)]
@@ -262,7 +262,7 @@ def test_median_rule_judges_a_trial_ahead_of_the_others_where_they_are() -> None
 
 
 def test_median_rule_smooths_losses_and_treats_divergence_as_worst() -> None:
-    from titan_core.pipeline.early_stop import median_stop, smoothed
+    from titan_core.pipeline.sweep.early_stop import median_stop, smoothed
 
     noisy = _curve(4, 2, 4, every=10)  # one lucky log step
     assert smoothed(noisy, 30, 3) == pytest.approx(10 / 3) and smoothed(noisy, 20, 3) == 3
@@ -282,7 +282,7 @@ def test_median_rule_smooths_losses_and_treats_divergence_as_worst() -> None:
 def test_a_training_job_stopped_early_only_by_its_record_of_that_step() -> None:
     """The train task takes a checkpoint short of training.steps as the end of a job that
     honoured a stop request only when the job's ``stopped-early`` record is of that step."""
-    from titan_core.pipeline.training import trained_to
+    from titan_core.pipeline.stages.training import trained_to
     from titan_core.stop_request import StopRecord
 
     record = StopRecord(6, "enough")
@@ -325,10 +325,10 @@ def test_monitor_asks_only_trials_still_training_to_stop(tmp_path: Path) -> None
     tags (the train task tags a trial that really stopped)."""
     from mlflow import MlflowClient
 
-    from titan_core.config.resolve import resolve_job
-    from titan_core.pipeline.early_stop import EarlyStopping
-    from titan_core.pipeline.sweep_monitor import TrialMonitor
-    from titan_core.pipeline.sweep_tracking import start_sweep_run
+    from titan_core.pipeline.sweep.early_stop import EarlyStopping
+    from titan_core.pipeline.sweep.monitor import TrialMonitor
+    from titan_core.pipeline.sweep.tracking import start_sweep_run
+    from titan_core.resolve import resolve_job
     from titan_core.stop_request import pending_stop
 
     base = {
@@ -588,7 +588,7 @@ def test_early_stopping_stops_the_clearly_worse_trial(
 
     from flows.sweep import sweep
     from titan_core.checkpoint.manager import COMMIT_MARKER, complete_steps
-    from titan_core.pipeline.training import REASON_TAG, STOPPED_TAG
+    from titan_core.pipeline.stages.training import REASON_TAG, STOPPED_TAG
     from titan_core.stop_request import StopRecord, stopped_early
 
     # The good trial trains them all (~35 s); the bad one is stopped within its first 100-200

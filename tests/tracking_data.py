@@ -1,7 +1,7 @@
 """Pipeline-shaped MLflow runs for comparison tests, logged through the engine's own code.
 
 A parent run carries the flattened resolved config as params (the pipeline's own
-``titan_core.pipeline.tracking.log_params``); a nested ``train`` run gets its
+``titan_core.pipeline.run.tracking.log_params``); a nested ``train`` run gets its
 per-step metrics from the trainer's ``MetricsProcessor`` through the ``MlflowSink`` (the names
 the pipeline logs: ``train/*``); a nested ``evaluate`` run gets the eval perplexity, and the
 parent the final ``train/loss`` and ``eval/perplexity`` at the last step, as ``publish`` does.
@@ -14,8 +14,8 @@ from mlflow import MlflowClient
 
 from titan_core.components.metrics import MemoryMonitor, MetricsProcessor
 from titan_core.components.mlflow_sink import MlflowSink
-from titan_core.config.manager import parse_args
-from titan_core.pipeline.tracking import STAGE_TAG, log_params
+from titan_core.pipeline.run.tracking import STAGE_TAG, log_params
+from titan_core.resolve import parse_args
 
 
 def log_pipeline_run(

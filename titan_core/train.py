@@ -10,10 +10,10 @@ import sys
 
 from titan_core import comm_mode
 from titan_core.config.job import JobConfig
-from titan_core.config.manager import parse_args
 from titan_core.distributed import flight_recorder
 from titan_core.errors import TitanError
 from titan_core.logging import init_logger, logger
+from titan_core.resolve import parse_args
 from titan_core.trainer import Trainer
 
 

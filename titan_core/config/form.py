@@ -21,7 +21,7 @@ import docstring_parser
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from titan_core.config.job import JobConfig
-from titan_core.config.manager import _moved_hint, _schema
+from titan_core.config.schema import moved_hint, schema
 from titan_core.errors import ConfigError
 
 # Strict: "4" is no int and 1 no bool, as on the command line and in TOML (ints pass as floats).
@@ -158,7 +158,7 @@ def as_form(config: Any) -> BaseModel | None:
         where = ".".join(str(part) for part in ("config", *first["loc"]))
         if first["type"] == "extra_forbidden":
             key = ".".join(str(part) for part in first["loc"])
-            hint = _moved_hint(key, _schema(JobConfig), "config.")
+            hint = moved_hint(key, schema(JobConfig), "config.")
             raise ConfigError(
                 f"{where}: no such section or field of the job config{hint}"
             ) from None

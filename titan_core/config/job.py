@@ -107,18 +107,8 @@ class Tokenizer:
 
 @dataclass(kw_only=True)
 class Training:
-    """Data, batch shape, step count and numerics of the training loop."""
+    """Batch shape, step count and numerics of the training loop (its data: ``[dataloader]``)."""
 
-    dataset: str = "titan_corpus"
-    """Registered dataset name, a local .txt/.jsonl file or folder, or a Hugging Face dataset."""
-    dataset_path: str = ""
-    """Optional path overriding where a registered dataset is read from."""
-    dataset_split: str = "train"
-    """Split to read for training (Hugging Face datasets)."""
-    dataset_text_field: str = "text"
-    """Field holding the text in json/jsonl/Hugging Face rows."""
-    dataset_streaming: bool = True
-    """Stream Hugging Face datasets instead of downloading them whole."""
     local_batch_size: int = 8
     """Sequences per micro-batch on each data-parallel rank."""
     gradient_accumulation_steps: int = 1
@@ -137,28 +127,8 @@ class Training:
     """Autocast dtype for the forward pass when FSDP is off; float32 disables autocast."""
     gc_freq: int = 50
     """Run Python's garbage collector every N steps (it is disabled in between)."""
-    data_streams: int = 0
-    """Independent data streams the global batch is drawn from; 0 = one per data-parallel rank.
-    Fixing it (to a multiple of every DP degree you use) makes runs with different DP degrees,
-    a single process included, see the same samples: the seed-checkpoint parity recipe.
-    Prepared datasets need no streams: any DP degree sees the same global batches."""
-    dataset_mix: list[str] = field(default_factory=list)
-    """Prepared datasets mixed by weight, as URL=WEIGHT entries (weights are normalised); when
-    set, it replaces training.dataset."""
-    dataset_shuffle: bool = True
-    """Prepared datasets: draw samples in a seeded random order per epoch (else in file order)."""
-    dataset_seed: int = 0
-    """Seed of the prepared datasets' sample order (independent of debug.seed)."""
-    dataset_verify: Literal["size", "checksum"] = "size"
-    """Check of prepared shards before training: sizes (cheap), or full checksums too."""
-    dataset_prefetch: int = 2
-    """Batches a background thread reads ahead from prepared datasets; 0 reads in the step."""
-    dataset_cache_mb: int = 64
-    """Read-ahead cache per remote (non-local) shard reader, in MiB."""
-    document_masking: bool = False
-    """Prepared datasets: attention does not cross document boundaries inside a sample."""
     document_positions: bool = False
-    """With document_masking: RoPE positions restart at 0 at each document start."""
+    """With dataloader.document_masking: RoPE positions restart at 0 at each document start."""
 
     def __post_init__(self) -> None:
         for key in ("local_batch_size", "gradient_accumulation_steps", "seq_len", "steps"):
@@ -166,21 +136,55 @@ class Training:
             _require(isinstance(value, int) and value > 0, f"training.{key}", "an int > 0", value)
         _require(self.max_norm >= 0, "training.max_norm", ">= 0", self.max_norm)
         _require(self.gc_freq > 0, "training.gc_freq", "an int > 0", self.gc_freq)
-        _require(self.data_streams >= 0, "training.data_streams", "an int >= 0", self.data_streams)
-        _require(bool(self.dataset), "training.dataset", "a dataset name or path", "")
-        _require(
-            self.dataset_prefetch >= 0, "training.dataset_prefetch", ">= 0", self.dataset_prefetch
-        )
-        _require(
-            self.dataset_cache_mb > 0, "training.dataset_cache_mb", "> 0", self.dataset_cache_mb
-        )
-        _require(
-            self.document_masking or not self.document_positions,
-            "training.document_positions",
-            "training.document_masking on as well",
-            self.document_positions,
-        )
-        parse_mix(self.dataset_mix)
+
+
+@dataclass(kw_only=True)
+class Dataloader:
+    """What the training loop reads and how: raw text tokenized as it trains, or prepared
+    datasets (``titan data prepare``) alone or mixed by weight."""
+
+    dataset: str = "titan_corpus"
+    """Registered dataset name, a local .txt/.jsonl file or folder, or a Hugging Face dataset."""
+    path: str = ""
+    """Optional path overriding where a registered dataset is read from."""
+    split: str = "train"
+    """Split to read for training (Hugging Face datasets)."""
+    text_field: str = "text"
+    """Field holding the text in json/jsonl/Hugging Face rows."""
+    streaming: bool = True
+    """Stream Hugging Face datasets instead of downloading them whole."""
+    streams: int = 0
+    """Independent data streams the global batch is drawn from; 0 = one per data-parallel rank.
+    Fixing it (to a multiple of every DP degree you use) makes runs with different DP degrees,
+    a single process included, see the same samples: the seed-checkpoint parity recipe.
+    Prepared datasets need no streams: any DP degree sees the same global batches."""
+    mix: list[str] = field(default_factory=list)
+    """Prepared datasets mixed by weight, as URL=WEIGHT entries (weights are normalised); when
+    set, it replaces dataloader.dataset."""
+    shuffle: bool = True
+    """Prepared datasets: draw samples in a seeded random order per epoch (else in file order)."""
+    seed: int = 0
+    """Seed of the prepared datasets' sample order (independent of debug.seed)."""
+    verify: Literal["size", "checksum"] = "size"
+    """Check of prepared shards before training: sizes (cheap), or full checksums too."""
+    prefetch: int = 2
+    """Batches a background thread reads ahead from prepared datasets; 0 reads in the step."""
+    cache_mb: int = 64
+    """Read-ahead cache per remote (non-local) shard reader, in MiB."""
+    document_masking: bool = False
+    """Prepared datasets: attention does not cross document boundaries inside a sample."""
+
+    def __post_init__(self) -> None:
+        _require(self.streams >= 0, "dataloader.streams", "an int >= 0", self.streams)
+        _require(bool(self.dataset), "dataloader.dataset", "a dataset name or path", "")
+        _require(self.prefetch >= 0, "dataloader.prefetch", ">= 0", self.prefetch)
+        _require(self.cache_mb > 0, "dataloader.cache_mb", "> 0", self.cache_mb)
+        parse_mix(self.mix)
+
+    @property
+    def location(self) -> str:
+        """Where the dataset is read from: ``path`` when given, else ``dataset``."""
+        return self.path or self.dataset
 
 
 def parse_mix(entries: list[str]) -> list[tuple[str, float]]:
@@ -194,12 +198,12 @@ def parse_mix(entries: list[str]) -> list[tuple[str, float]]:
             value = -1.0
         if not (value > 0 and value != float("inf")):
             raise ConfigError(
-                f"training.dataset_mix[{i}]: expected URL=WEIGHT with a weight > 0, got {entry!r}"
+                f"dataloader.mix[{i}]: expected URL=WEIGHT with a weight > 0, got {entry!r}"
             )
         pairs.append((url, value))
     urls = [url for url, _ in pairs]
     dupes = sorted({u for u in urls if urls.count(u) > 1})
-    _require(not dupes, "training.dataset_mix", "each dataset once", dupes)
+    _require(not dupes, "dataloader.mix", "each dataset once", dupes)
     total = sum(w for _, w in pairs)
     return [(url, w / total) for url, w in pairs]
 
@@ -211,7 +215,7 @@ class Data:
     sources: list[str] = field(default_factory=list)
     """Raw sources to prepare (files or folders of .txt/.jsonl/.json/.parquet, compressed too; any
     fsspec URL; hf:NAME?name=CONFIG&split=SPLIT&revision=REV for Hugging Face datasets). When
-    set, the pipeline prepares them and trains on the result instead of training.dataset."""
+    set, the pipeline prepares them and trains on the result instead of dataloader.dataset."""
     text_field: str = "text"
     """Row field holding the document text (jsonl, json, parquet and Hugging Face rows)."""
     root: str = ""
@@ -545,7 +549,7 @@ class Validation:
     enable: bool = False
     """Compute validation loss every freq steps."""
     dataset: str = ""
-    """Validation dataset; empty uses training.dataset's validation split."""
+    """Validation dataset; empty uses dataloader.dataset's validation split."""
     dataset_split: str = "validation"
     """Split to read when dataset is a Hugging Face dataset or the bundled corpus."""
     freq: int = 50
@@ -812,7 +816,9 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     """Data preparation (pre-tokenized shards)."""
     training: Training = field(default_factory=Training)
-    """Training data, shapes and numerics."""
+    """Training shapes and numerics."""
+    dataloader: Dataloader = field(default_factory=Dataloader)
+    """Training data: the dataset or mix, its sample order and reading."""
     optimizer: Optimizer = field(default_factory=Optimizer)
     """Optimizer."""
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
@@ -847,3 +853,12 @@ class JobConfig:
     """Storage access of the pipeline (credentials, retries)."""
     tracking: Tracking = field(default_factory=Tracking)
     """MLflow tracking of the pipeline."""
+
+    def __post_init__(self) -> None:
+        # Checks across sections; every section has checked its own fields already.
+        _require(
+            self.dataloader.document_masking or not self.training.document_positions,
+            "training.document_positions",
+            "dataloader.document_masking on as well",
+            self.training.document_positions,
+        )

@@ -1,6 +1,6 @@
 """Evaluation of checkpoints: held-out loss, perplexity, bits per byte, greedy samples, lm-eval.
 
-``titan eval`` (``titan_core.evaluate.cli``) is the command; ``evaluate_checkpoint`` the API.
+``titan eval`` (``titan_core.cli.evaluate``) is the command; ``evaluate_checkpoint`` the API.
 """
 
 from titan_core.evaluate.evaluator import (

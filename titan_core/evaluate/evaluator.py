@@ -20,7 +20,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -30,10 +30,10 @@ from torch import nn
 
 from titan_core import storage
 from titan_core.build import build_model_args
-from titan_core.components.validate import validation_data
+from titan_core.components.validate import validation_data, validation_dataloader
 from titan_core.config.dtypes import autocast_dtype
 from titan_core.config.job import JobConfig
-from titan_core.config.resolve import apply_values
+from titan_core.config.schema import apply_values
 from titan_core.data import Tokenizer, build_dataloader, default_tokenizer_path
 from titan_core.distributed.utils import destroy_process_group, init_distributed
 from titan_core.errors import ConfigError, DataError
@@ -46,28 +46,10 @@ from titan_core.evaluate.loading import (
     resolve_checkpoint,
     resolve_config,
 )
-from titan_core.evaluate.report import build_report, write_report
+from titan_core.evaluate.report import EvalMetrics, build_report, write_report
 from titan_core.logging import logger
 
 Batch = tuple[torch.Tensor, ...]  # (inputs, labels), plus doc_ids under document masking
-
-
-@dataclass
-class EvalMetrics:
-    """Held-out metrics of one pass; sums are over all ranks."""
-
-    loss: float
-    perplexity: float
-    bits_per_byte: float
-    num_tokens: int
-    num_bytes: int
-    num_batches: int
-    eval_seconds: float
-    tokens_per_second: float
-
-    def to_dict(self) -> dict[str, float | int]:
-        """Plain-JSON form for the report."""
-        return asdict(self)
 
 
 def token_byte_lengths(tokenizer: Tokenizer) -> torch.Tensor:
@@ -90,20 +72,13 @@ def count_text_bytes(labels: torch.Tensor, byte_lengths: torch.Tensor) -> int:
 def validation_loader(cfg: JobConfig, tokenizer: Tokenizer) -> Iterable[Batch]:
     """One finite pass over the job's validation split, unsplit (every rank reads all of it)."""
     data = validation_data(cfg)
+    # A prepared dataset: the same checks, and the same masking the model was trained with.
     return build_dataloader(
-        dataset=data["dataset"],
-        dataset_path=data["dataset_path"],
-        split=data["split"],
-        text_field=data["text_field"],
-        streaming=cfg.training.dataset_streaming,
+        validation_dataloader(cfg),
         tokenizer=tokenizer,
         local_batch_size=data["local_batch_size"],
         seq_len=data["seq_len"],
         infinite=False,
-        # A prepared dataset: the same checks, and the same masking the model was trained with.
-        verify=cfg.training.dataset_verify,
-        cache_mb=cfg.training.dataset_cache_mb,
-        document_masking=cfg.training.document_masking,
     )
 
 

@@ -31,10 +31,10 @@ from titan_core.checkpoint.manager import (
 )
 from titan_core.checkpoint.states import ModelState
 from titan_core.config.job import ActivationCheckpoint, Compile, JobConfig, Parallelism
-from titan_core.config.manager import parse_args
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.errors import CheckpointError, ConfigError
 from titan_core.models import get_model_spec
+from titan_core.resolve import parse_args
 
 _STEP_DIR_RE = re.compile(rf"^(step-\d+|{SEED_DIR})$")
 
@@ -98,7 +98,7 @@ def resolve_config(ckpt: ResolvedCheckpoint, config_argv: list[str]) -> JobConfi
         if storage.exists(saved):
             argv = ["--job.config_file", saved, *argv]
         elif checkpoint_model(ckpt.step_dir) is not None:
-            # model.name/flavor from the marker (config.manager.model_from_initial_checkpoint)
+            # model.name/flavor from the marker (resolve.model_from_initial_checkpoint)
             argv = ["--checkpoint.initial_load_path", ckpt.step_dir, *argv]
         else:
             raise ConfigError(

@@ -16,13 +16,12 @@ files added to a source since are tokenized and appended. Config arguments (``--
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Annotated
 
 import tyro
 
-from titan_core.config.command import Command, Parsed, default, dispatch, run
+from titan_core.cli.command import Command, Parsed, default, dispatch, run
 from titan_core.errors import ConfigError
 
 
@@ -82,8 +81,8 @@ VERIFY = Command(
 
 
 def _prepare(argv: list[str]) -> int:
-    from titan_core.config.manager import parse_args
     from titan_core.data.prepare import prepare, spec_from_config
+    from titan_core.resolve import parse_args
 
     parsed: Parsed[PrepareOptions] = PREPARE.parse(argv)
     ns, given = parsed.options, parsed.given
@@ -180,7 +179,3 @@ def _data(argv: list[str]) -> int:
 
     init_logger()
     return dispatch("titan data", __doc__ or "", COMMANDS, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,18 +9,17 @@ data (``validation.*``). The job config defaults to the run's own ``config.toml`
 above a step directory), else to the defaults with the model the checkpoint's commit marker
 describes (every checkpoint ``titan train`` and ``titan convert hf-to-dcp`` write does);
 ``--section.field value`` overrides apply on top (``titan config --help`` lists them).
-Under torchrun (``python -m torch.distributed.run --nproc_per_node N -m titan_core.evaluate.cli
+Under torchrun (``python -m torch.distributed.run --nproc_per_node N -m titan_core.cli eval
 ...``) the validation batches are split across ranks and the model is FSDP-sharded.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from titan_core.config.command import Command, default, run
+from titan_core.cli.command import Command, default, run
 from titan_core.evaluate.evaluator import evaluate_checkpoint
 from titan_core.logging import init_logger, logger
 
@@ -94,7 +93,3 @@ def _eval(argv: list[str]) -> int:
         report["timing"]["tokens_per_s"],
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,6 @@
-"""The engine's own ``titan`` commands: ``train``, ``config`` and the engine-only demo.
+"""``titan train``: train in this process, or under torchrun on ``--ngpu`` local processes.
 
-The ``titan`` console script itself (``flows.main``) dispatches here and to the other packages'
-CLIs; this module imports nothing of the pipeline layer.
+An engine command: it imports nothing of the pipeline layer (no Prefect, no MLflow).
 """
 
 from __future__ import annotations
@@ -9,14 +8,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-import statistics
 import sys
 from dataclasses import dataclass
 
-from titan_core.config.command import Command
+from titan_core.cli.command import Command
 from titan_core.config.job import Launch
 from titan_core.launch import Launcher, LaunchSpec, get_launcher
-from titan_core.launch.local import job_environment
+from titan_core.launch.torchrun import job_environment
 
 
 @dataclass
@@ -41,17 +39,7 @@ TRAIN = Command(
 )
 
 
-@dataclass
-class ConfigOptions:
-    """``titan config`` has no options of its own: config arguments only."""
-
-
-CONFIG = Command(
-    "titan config", ConfigOptions, "Print the resolved config as TOML.", config_help=True
-)
-
-
-def train_command(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     """``titan train`` on ``argv``: its options, then ``train`` with the config arguments."""
     parsed = TRAIN.parse(argv)
     ns = parsed.options
@@ -70,7 +58,7 @@ def train(ngpu: int, log_rank: str, rest: list[str], dry_run: bool = False) -> i
         rest, ngpu = simulated, 1
     if ngpu > 1 or dry_run:
         from titan_core.build import check_job
-        from titan_core.config.manager import parse_args
+        from titan_core.resolve import parse_args
 
         cfg = parse_args(rest)
         check_job(cfg, ngpu)  # a bad config fails here, before torchrun starts or is printed
@@ -102,52 +90,8 @@ def local_train_launch(
 
 def _comm_mode_args(ngpu: int, rest: list[str]) -> list[str]:
     """``rest`` with the simulated world size when the job asks for a COMM_MODE, else []."""
-    from titan_core.config.manager import parse_args
+    from titan_core.resolve import parse_args
 
     if not any(a.startswith("--comm.fake_world_size") for a in rest):
         rest = [*rest, "--comm.fake_world_size", str(ngpu)]
     return rest if parse_args(rest).comm.mode != "default" else []
-
-
-def config(argv: list[str]) -> int:
-    """``titan config``: print the resolved config as TOML (``--help``: every config key)."""
-    from titan_core.config.manager import main as config_main
-
-    return config_main(CONFIG.parse(argv).config.argv())
-
-
-def demo(steps: int, rest: list[str]) -> int:
-    """Train the debug model offline; a rerun resumes from the newest checkpoint and goes on."""
-    from titan_core import storage
-    from titan_core.checkpoint.manager import complete_steps
-    from titan_core.config.manager import parse_args
-    from titan_core.train import run
-
-    argv = ["--module", "llama3", "--config", "llama3_debugmodel", *rest]
-    if steps:
-        argv += ["--training.steps", str(steps)]
-    cfg = parse_args(argv)
-    folder = storage.resolve(cfg.job.dump_folder, cfg.checkpoint.folder)
-    done = complete_steps(folder)
-    if done and done[-1] >= cfg.training.steps:
-        # Already trained this far: continue for another block of the same length.
-        steps = done[-1] + cfg.training.steps
-        print(f"demo: found checkpoint step-{done[-1]} in {folder}; continuing to step {steps}")
-        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, steps=steps))
-    elif done:
-        print(f"demo: resuming from checkpoint step-{done[-1]} in {folder}")
-    history = run(cfg)
-    losses = [h["loss"] for h in history if "loss" in h]
-    if len(losses) >= 4:
-        k = min(10, len(losses) // 2)
-        first, last = statistics.mean(losses[:k]), statistics.mean(losses[-k:])
-        print(
-            f"demo: mean loss of the first {k} logged steps {first:.3f} → last {k}: "
-            f"{last:.3f} ({100 * (first - last) / first:+.1f}% lower)"
-        )
-    print(
-        f"demo: outputs in {cfg.job.dump_folder} (checkpoints: {folder}, "
-        f"metrics: {os.path.join(cfg.job.dump_folder, 'metrics.jsonl')}); "
-        "run `make demo` again to resume"
-    )
-    return 0

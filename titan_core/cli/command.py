@@ -8,17 +8,18 @@ parses (its error box is no one-line error). ``Command.parse`` splits the argv:
 
 - config arguments (``--module``, ``--config``, ``--config-file`` (``--job.config-file`` is the
   same) and every ``--section.field`` with the values after it) become ``ConfigArgs``, handed
-  unchanged to the config manager (``manager.parse_args``) or to ``titan_core.config.resolve``:
+  unchanged to the resolver (``titan_core.resolve``: ``parse_args`` or ``resolve_job``):
   every config key is a flag of every command that takes a config;
-- the command's own flags are checked by the config manager's checker (``_scan_cli`` on the
+- the command's own flags are checked by the config's checker (``config.argv.scan_argv`` on the
   dataclass's schema), so an unknown flag, a missing required option or a value of the wrong
   type is one ``ConfigError`` line in the same words as a bad config key; the options dataclass
   is built from the values so checked. A token that starts with ``--`` is a flag, any other a
   value (``--margin -0.1``) or a positional argument (where ``-x`` is an unknown option).
 
-``run`` is the one error path of every entry point (``titan`` and each ``python -m ...cli``):
-a ``TitanError`` is one ``error:`` line on stderr and its exit code (2), a failed launch one line
-and 1. ``dispatch`` runs a subcommand named by the first argument (``titan convert dcp-to-hf``).
+``run`` is the one error path of every entry point (``titan``, ``python -m titan_core.cli``,
+``python -m titan_core.config.manager``): a ``TitanError`` is one ``error:`` line on stderr and
+its exit code (2), a failed launch one line and 1. ``dispatch`` runs a subcommand named by the
+first argument (``titan convert dcp-to-hf``).
 """
 
 from __future__ import annotations
@@ -36,16 +37,10 @@ from typing import Any, Generic, TypeVar
 
 import tyro
 
+from titan_core.config.argv import lookup, pop_option, scan_argv
 from titan_core.config.job import JobConfig
-from titan_core.config.manager import (
-    _did_you_mean,
-    _fields,
-    _lookup,
-    _pop_option,
-    _scan_cli,
-    _schema,
-    _Spec,
-)
+from titan_core.config.schema import Spec, did_you_mean, field_specs
+from titan_core.config.schema import schema as config_schema
 from titan_core.errors import ConfigError, TitanError
 
 T = TypeVar("T")
@@ -83,7 +78,7 @@ class ConfigArgs:
         return bool(self.module or self.config or self.config_file or self.overrides)
 
     def argv(self) -> list[str]:
-        """The config manager's argv: ``--module``/``--config``, ``--job.config_file``, then the
+        """The resolver's argv: ``--module``/``--config``, ``--job.config_file``, then the
         ``--section.field`` overrides."""
         out = ["--module", self.module] if self.module else []
         out += ["--config", self.config] if self.config else []
@@ -109,7 +104,7 @@ class Parsed(Generic[T]):
 
 @dataclass
 class _Split:
-    """An argv taken apart: own scalar flags (for ``_scan_cli``), own list values, positional
+    """An argv taken apart: own scalar flags (for ``scan_argv``), own list values, positional
     arguments and config arguments."""
 
     own: list[str] = field(default_factory=list)
@@ -150,9 +145,9 @@ class Command(Generic[T]):
         except ConfigError as e:
             raise ConfigError(_as_shown(str(e), schema)) from None
 
-    def _parse(self, argv: list[str], schema: dict[str, _Spec]) -> Parsed[T]:
+    def _parse(self, argv: list[str], schema: dict[str, Spec]) -> Parsed[T]:
         split = self._split(argv)
-        values, _ = _scan_cli(split.own, schema)
+        values = scan_argv(split.own, schema)
         values |= split.lists
         positional = _positional_field(self.options)
         if positional:
@@ -181,7 +176,7 @@ class Command(Generic[T]):
 
     def _help(self, argv: list[str]) -> None:
         """Print the help and raise ``SystemExit(0)``: the own options (tyro's), then with
-        ``config_help`` the config manager's help (every key, with the defaults of the recipe
+        ``config_help`` the config's help (every key, with the defaults of the recipe
         that ``argv`` names)."""
         if not self.config_help:
             self._tyro(["--help"])
@@ -189,11 +184,11 @@ class Command(Generic[T]):
             with contextlib.suppress(SystemExit):
                 self._tyro(["--help"])
             print()
-        from titan_core.config.manager import ConfigManager
+        from titan_core.resolve import parse_args
 
         recipe = self._config_args([t for t in argv if t not in ("-h", "--help")])
         recipe = dataclasses.replace(recipe, config_file="", overrides=())
-        ConfigManager(prog=self.prog).parse_args([*recipe.argv(), "--help"])
+        parse_args([*recipe.argv(), "--help"], self.prog)
 
     def _tyro(self, args: list[str]) -> T:
         """tyro on ``args``: only ever ``--help`` (it prints the help and exits 0)."""
@@ -232,7 +227,7 @@ class Command(Generic[T]):
                 out.positionals.append(token)
         return out
 
-    def _route(self, token: str, schema: dict[str, _Spec]) -> tuple[str, int, str]:
+    def _route(self, token: str, schema: dict[str, Spec]) -> tuple[str, int, str]:
         """Where ``token`` (a ``--flag``) goes: ``config``, ``list`` (an own list option) or
         ``own``; how many values follow it; its own key. One line for unknown or renamed
         flags."""
@@ -245,16 +240,16 @@ class Command(Generic[T]):
         if self.takes_config and not own and ("." in key or key in _SELECTORS):
             return "config", 0, ""
         if not own and self.takes_config:  # suggest config keys too: --steps -> --training.steps
-            hint = _did_you_mean(key, {**schema, **_schema(JobConfig)}, "--")
+            hint = did_you_mean(key, {**schema, **config_schema(JobConfig)}, "--")
             raise ConfigError(f"unknown option --{name}{hint or ' (see --help for the options)'}")
-        key, _ = _lookup(name, schema)  # an unknown own flag: one line with suggestions
+        key, _ = lookup(name, schema)  # an unknown own flag: one line with suggestions
         kind = schema[key].kind
         if kind == "list":
-            assert schema[key].item == _Spec("str"), f"{key}: own list options are list[str]"
+            assert schema[key].item == Spec("str"), f"{key}: own list options are list[str]"
             return "list", 0, key
         return "own", 0 if kind == "bool" or has_inline else 1, key
 
-    def _positional_value(self, name: str, schema: dict[str, _Spec], given: list[str]) -> Any:
+    def _positional_value(self, name: str, schema: dict[str, Spec], given: list[str]) -> Any:
         """The positional arguments as the value of field ``name``: a list, or exactly one."""
         if schema[name].kind == "list":
             return list(given)
@@ -264,7 +259,7 @@ class Command(Generic[T]):
             raise ConfigError(f"unexpected argument {given[1]!r}: takes one {name.upper()}")
         return given[0]
 
-    def _check_required(self, values: dict[str, Any], schema: dict[str, _Spec]) -> None:
+    def _check_required(self, values: dict[str, Any], schema: dict[str, Spec]) -> None:
         """A required own option (a field without a default) that was not given is an error."""
         for f in dataclasses.fields(self.options):  # type: ignore[arg-type]
             missing = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -278,11 +273,11 @@ class Command(Generic[T]):
         ``--config-file``, in every spelling), the overrides as given."""
         found = {}
         for name in ("module", "config"):
-            value, tokens = _pop_option(tokens, _SELECTORS[name])
+            value, tokens = pop_option(tokens, _SELECTORS[name])
             found[name] = value or ""
         files = {}
         for flag in _CONFIG_FILE_FLAGS:
-            value, tokens = _pop_option(tokens, flag)
+            value, tokens = pop_option(tokens, flag)
             files |= {flag: value} if value is not None else {}
         if len(set(files.values())) > 1:
             given = ", ".join(f"{flag} {value}" for flag, value in files.items())
@@ -310,7 +305,7 @@ def unwrap(text: str) -> str:
     return "\n\n".join(paragraphs)
 
 
-def _as_shown(message: str, schema: dict[str, _Spec]) -> str:
+def _as_shown(message: str, schema: dict[str, Spec]) -> str:
     """``message`` with each own option spelled as the user types it and ``--help`` shows it
     (``--max-batches``, ``--no-json``), not as the checker's key (``--max_batches``)."""
 
@@ -342,9 +337,9 @@ def _flag(name: str) -> str:
 
 
 @functools.cache
-def _options_schema(cls: type) -> dict[str, _Spec]:
+def _options_schema(cls: type) -> dict[str, Spec]:
     """What each own option of ``cls`` accepts, by field name (dotted for a nested one)."""
-    return _fields(cls, "")
+    return field_specs(cls)
 
 
 @functools.cache

@@ -1,45 +1,20 @@
-"""``titan estimate``: per-rank memory and FLOPs of a job on N ranks, without real weights.
-
-    titan estimate --ngpu 8 --module llama3 --config llama3_8b [--json] [--device-memory 80]
-    python -m titan_core.estimate.cli --ngpu 1 --config-file job.toml --training.seq_len 512
-
-The config arguments resolve exactly as for ``titan train``.
-"""
+"""The estimate as people read it: a header, the per-rank memory table and the FLOPs line
+(``titan estimate``; COMM_MODE runs print it before their simulated step)."""
 
 from __future__ import annotations
 
-import json
 import sys
-from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
 
-from titan_core.config.command import Command, run
-from titan_core.config.manager import parse_args
-from titan_core.errors import ConfigError
-from titan_core.estimate import Estimate, estimate, fits
+from titan_core.estimate import Estimate, fits
 
-_GIB = 2**30
-
-
-@dataclass
-class EstimateOptions:
-    """The options of ``titan estimate`` (config arguments aside)."""
-
-    ngpu: int = 1
-    """world size to estimate for"""
-    json: bool = False
-    """print JSON instead of a table"""
-    device_memory: float = 0.0
-    """GiB per device: report whether the peak fits"""
-
-
-COMMAND = Command("titan estimate", EstimateOptions, __doc__ or "")
+GIB = 2**30
 
 
 def _gib(n: int) -> str:
-    return f"{n / _GIB:,.2f}"
+    return f"{n / GIB:,.2f}"
 
 
 def _ac_label(est: Estimate) -> str:
@@ -132,30 +107,3 @@ def print_report(est: Estimate, device_bytes: int = 0) -> None:
             highlight=False,
             soft_wrap=True,
         )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Print the estimate as a table (or JSON); one ``error:`` line and 2 on bad input."""
-    return run(_estimate, argv)
-
-
-def _estimate(argv: list[str]) -> int:
-    parsed = COMMAND.parse(argv)
-    ns = parsed.options
-    if ns.device_memory < 0:
-        raise ConfigError(f"--device-memory: expected GiB >= 0, got {ns.device_memory}")
-    est = estimate(parse_args(parsed.config.argv()), ns.ngpu)
-    device_bytes = int(ns.device_memory * _GIB)
-    if ns.json:
-        out = est.to_dict()
-        if device_bytes:
-            out["device_memory_bytes"] = device_bytes
-            out["fits"] = fits(est.memory, device_bytes)
-        print(json.dumps(out, indent=2))
-    else:
-        print_report(est, device_bytes)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,146 @@
+"""``titan pipeline``: run the Prefect flows from the command line (embedded Prefect, no server).
+
+    titan pipeline run [--config RECIPE [--module FAMILY]] [--config-file F] [--run-id ID]
+                       [--section.field v ...]   # e.g. --job.dump_folder URL --tracking.uri URI
+                                                 #      --evaluate.batches N
+    titan pipeline deploy [--pool NAME] [--name DEPLOYMENT ...] [--prefect-file FILE]
+
+Without ``PREFECT_API_URL`` Prefect starts a temporary local server whose database lives under
+``PREFECT_HOME`` (default ``./outputs/.prefect``); analytics are off. ``titan demo`` runs the
+pipeline on the debug model with embedded defaults (and continues its model line when rerun).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from titan_core.cli.command import Command, ConfigArgs, dispatch, run
+from titan_core.errors import ConfigError
+from titan_core.pipeline.run.config import DEFAULT_RECIPE
+
+DEFAULT_PREFECT_HOME = os.path.join("outputs", ".prefect")
+# Flags that became config keys: one spelling per setting, the config's.
+RENAMED_FLAGS = {
+    "--storage": "--job.dump_folder",
+    "--tracking-uri": "--tracking.uri",
+    "--eval-batches": "--evaluate.batches",
+}
+
+
+@dataclass
+class RunOptions:
+    """The options of ``titan pipeline run`` (config arguments aside)."""
+
+    run_id: str = ""
+    """reuse a run root (resumes its training)"""
+
+
+PIPELINE_RUN = Command(
+    "titan pipeline run",
+    RunOptions,
+    f"Run pretrain_pipeline in this process. Without --config or --config-file the recipe is "
+    f"{DEFAULT_RECIPE}. Overrides often given: --job.dump_folder URL, --tracking.uri URI, "
+    "--evaluate.batches N.",
+    renamed=RENAMED_FLAGS,
+)
+
+
+def prepare_prefect_env() -> str:
+    """Point Prefect at a project-local home (unless set) with analytics off; returns the home.
+
+    Must run before Prefect is imported: it reads its settings once.
+    """
+    home = os.path.abspath(os.environ.setdefault("PREFECT_HOME", DEFAULT_PREFECT_HOME))
+    os.environ["PREFECT_HOME"] = home
+    os.makedirs(home, exist_ok=True)  # Prefect creates only the last path component
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT", "false")
+    # The temporary server migrates a new database on its first start: slow on a busy machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    from tasks.runtime import quiet_user_errors
+
+    quiet_user_errors()  # a user error in a flow: one line on the console, not a traceback
+    return home
+
+
+def flow_kwargs(config: ConfigArgs) -> dict[str, Any]:
+    """``pretrain_pipeline`` arguments from the config arguments: the recipe, the file and the
+    ``--section.field value`` overrides as typed dotted keys; checks the config resolves first."""
+    from titan_core.config.argv import cli_values
+    from titan_core.resolve import resolve_job
+
+    if config.module and not config.config:
+        raise ConfigError("--module: names the family of --config (e.g. --config llama3_8b)")
+    recipe = config.config or ("" if config.config_file else DEFAULT_RECIPE)
+    if config.module:
+        recipe = f"{config.module}/{recipe}"
+    values = cli_values(list(config.overrides))
+    # Resolve once here: a bad key is one line now, not a failed flow run.
+    resolve_job(recipe, config.config_file, values)
+    return {"recipe": recipe, "config_file": config.config_file, "overrides": values}
+
+
+def where_to_look(result: dict[str, Any], prefect_home: str) -> str:
+    """The lines printed after a run: artifacts, the MLflow UI and the Prefect UI commands."""
+    lines = [
+        f"pipeline: run {result['run_id']} done; artifacts in {result['run_root']}",
+        f"  Hugging Face export: {result['hf']}   eval report: {result['eval_report']}",
+    ]
+    if result.get("dataset"):
+        lines.append(
+            f"  prepared dataset: {result['dataset']} ({result['dataset_train_shards']} train "
+            f"shards, {result['dataset_train_tokens']:,} train tokens)"
+        )
+    if result.get("model_version"):
+        role = "champion" if result.get("champion") else "not champion"
+        lines.append(
+            f"  model {result['model_name']} v{result['model_version']} ({role}); "
+            f"eval loss {result['metrics'].get('eval/loss', float('nan')):.4f}"
+        )
+    if result.get("tracking_uri"):
+        uri = result["tracking_uri"]
+        lines.append(f"  MLflow UI:  mlflow ui --backend-store-uri {uri}")
+    if os.environ.get("PREFECT_API_URL"):
+        lines.append(f"  Prefect UI: {os.environ['PREFECT_API_URL'].removesuffix('/api')}")
+    else:
+        lines.append(
+            f"  Prefect UI: PREFECT_HOME={prefect_home} prefect server start  "
+            "(then open http://127.0.0.1:4200)"
+        )
+    return "\n".join(lines)
+
+
+def run_pipeline(kwargs: dict[str, Any], run_id: str = "") -> dict[str, Any]:
+    """Run ``pretrain_pipeline`` in this process."""
+    from flows.pipeline import pretrain_pipeline
+
+    return pretrain_pipeline(**kwargs, run_id=run_id)
+
+
+def _run(argv: list[str]) -> int:
+    parsed = PIPELINE_RUN.parse(argv)
+    kwargs = flow_kwargs(parsed.config)
+    home = prepare_prefect_env()
+    result = run_pipeline(kwargs, parsed.options.run_id)
+    print(where_to_look(result, home))
+    return 0
+
+
+def _deploy(argv: list[str]) -> int:
+    # No project-local PREFECT_HOME here: the server may be set in the user's Prefect profile.
+    from titan_core.cli.deploy import deploy_command
+
+    return deploy_command(argv)
+
+
+COMMANDS = {
+    "run": ("run pretrain_pipeline in this process", _run),
+    "deploy": ("register deployments/prefect.yaml on a Prefect server", _deploy),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``titan pipeline`` command; user errors print one line and return 2."""
+    return run(lambda args: dispatch("titan pipeline", __doc__ or "", COMMANDS, args), argv)
