@@ -158,15 +158,14 @@ def _synthetic(root: Path, num_tokens: int, name: str) -> str:
 
 
 def _loader(url: str, prefetch: int = 0):
+    from titan_core.config.job import Dataloader
     from titan_core.data.reader import build_prepared_dataloader
 
     return build_prepared_dataloader(
-        [(url, 1.0)],
-        split="train",
+        Dataloader(dataset=url, prefetch=prefetch),
         fingerprint=_tokenizer().fingerprint,
         local_batch_size=BATCH,
         seq_len=SEQ_LEN,
-        prefetch=prefetch,
     )
 
 

@@ -2,7 +2,7 @@
 
 The torchtitan reproducibility recipe, made exact across DP degrees: every run loads the same
 seed checkpoint (written with all degrees at 1) and draws its global batch from the same
-``training.data_streams`` streams, so a single process and any parallel layout see the same
+``dataloader.streams`` streams, so a single process and any parallel layout see the same
 samples. ``run_layout`` returns the per-step losses (logged from metrics.jsonl) of one layout.
 """
 

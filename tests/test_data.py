@@ -6,15 +6,18 @@ import json
 import time
 from pathlib import Path
 from pydoc_data.topics import topics
+from typing import Any
 
 import fsspec
 import pytest
 import torch
 
+from titan_core.config.job import Dataloader
 from titan_core.data import assets as assets_mod
 from titan_core.data.assets import ensure_assets, paragraph_groups, strip_gutenberg
 from titan_core.data.datasets import (
     DatasetSpec,
+    DocumentSource,
     build_document_source,
     is_local_dataset,
     register_dataset,
@@ -39,13 +42,29 @@ def _write_jsonl(path: Path, docs: list[str]) -> Path:
     return path
 
 
-def _docs(dataset: str, **kwargs: object) -> list[str]:
-    return list(build_document_source(dataset, **kwargs))  # type: ignore[arg-type]
+def _source(
+    dataset: str, dp_rank: int = 0, dp_world_size: int = 1, **fields: Any
+) -> DocumentSource:
+    """The documents of ``Dataloader(dataset=dataset, **fields)`` for rank ``dp_rank``."""
+    cfg = Dataloader(dataset=dataset, **fields)
+    return build_document_source(cfg, dp_rank=dp_rank, dp_world_size=dp_world_size)
 
 
-def _loader(tok: Tokenizer, dataset: str, **kwargs: object) -> ParallelAwareDataloader:
-    defaults = {"tokenizer": tok, "local_batch_size": 3, "seq_len": 16, "infinite": True}
-    return build_dataloader(dataset=dataset, **(defaults | kwargs))  # type: ignore[arg-type]
+def _docs(dataset: str, **kwargs: Any) -> list[str]:
+    return list(_source(dataset, **kwargs))
+
+
+LOADER_ARGS = ("local_batch_size", "seq_len", "dp_rank", "dp_world_size", "infinite")
+
+
+def _loader(tok: Tokenizer, dataset: str, **kwargs: Any) -> ParallelAwareDataloader:
+    """The loader of ``Dataloader(dataset=dataset, ...)``: ``kwargs`` holds its fields and the
+    loader's own arguments (``LOADER_ARGS``)."""
+    args = {"local_batch_size": 3, "seq_len": 16, "infinite": True}
+    args |= {k: kwargs.pop(k) for k in LOADER_ARGS if k in kwargs}
+    loader = build_dataloader(Dataloader(dataset=dataset, **kwargs), tokenizer=tok, **args)
+    assert isinstance(loader, ParallelAwareDataloader)
+    return loader
 
 
 def test_txt_documents_are_blank_line_blocks(tmp_path: Path) -> None:
@@ -63,7 +82,7 @@ def test_jsonl_json_and_folder_sources(tmp_path: Path) -> None:
     assert _docs(str(tmp_path / "b.jsonl")) == DOCS[:10]
     assert _docs(str(tmp_path / "c.json")) == DOCS[10:15]
     assert _docs(str(tmp_path)) == DOCS  # sorted files, README ignored
-    assert _docs("ignored-name", dataset_path=str(tmp_path)) == DOCS
+    assert _docs("ignored-name", path=str(tmp_path)) == DOCS
 
 
 def test_text_field_and_fsspec_url(tmp_path: Path) -> None:
@@ -73,15 +92,15 @@ def test_text_field_and_fsspec_url(tmp_path: Path) -> None:
 
 
 def test_rows_without_the_text_field_name_the_field_and_what_they_have(tmp_path: Path) -> None:
-    """A wrong ``training.dataset_text_field`` is one line naming the field and the fields the
+    """A wrong ``dataloader.text_field`` is one line naming the field and the fields the
     rows have, not "no documents" after every row was skipped as empty."""
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
     with pytest.raises(DataError) as e:
-        build_document_source(str(path), text_field="text").check_nonempty()
+        _source(str(path), text_field="text").check_nonempty()
     message = str(e.value)
     assert "\n" not in message and "no field 'text'" in message
-    assert "'body', 'id'" in message and "training.dataset_text_field" in message
+    assert "'body', 'id'" in message and "dataloader.text_field" in message
     path.write_text(json.dumps({"text": "", "id": 0}) + "\n" + json.dumps({"text": "a"}) + "\n")
     assert _docs(str(path)) == ["a"]  # an empty text is still a skipped row, not an error
 
@@ -110,12 +129,12 @@ def test_bad_rows_are_skipped_and_counted(tmp_path: Path) -> None:
     ]
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(b"\n".join(rows) + b"\n")
-    source = build_document_source(str(path))
+    source = _source(str(path))
     assert list(source) == ["good one", "good two"]
     assert source.stats == {"skipped_empty": 6, "skipped_undecodable": 2}
     txt = tmp_path / "mixed.txt"
     txt.write_bytes(b"fine\n\nbad \xff bytes\n\nalso fine\n")
-    source = build_document_source(str(txt))
+    source = _source(str(txt))
     assert list(source) == ["fine", "also fine"]
     assert source.stats == {"skipped_empty": 0, "skipped_undecodable": 1}
 
@@ -139,7 +158,7 @@ def test_empty_or_missing_datasets_fail_before_training(tmp_path: Path, tok: Tok
         ({"dataset": str(tmp_path / "two.jsonl"), "dp_rank": 2, "dp_world_size": 3}, "rank 2/3"),
         ({"dataset": str(tmp_path / "two.jsonl"), "split": "validation"}, "no 'validation' split"),
         ({"dataset": "titan_corpus", "split": "test"}, "unknown split"),
-        ({"dataset": "json"}, "needs dataset_path"),
+        ({"dataset": "json"}, "needs dataloader.path"),
     ]
     for kwargs, match in cases:
         with pytest.raises(DataError, match=match) as e:
@@ -152,11 +171,11 @@ def test_validation_split_of_local_data(tmp_path: Path) -> None:
         (tmp_path / split).mkdir()
         _write_jsonl(tmp_path / split / "part-0000.jsonl", docs)
     assert _docs(str(tmp_path), split="validation") == DOCS[20:]
-    assert _docs("titan_corpus", dataset_path=str(tmp_path), split="validation") == DOCS[20:]
-    # a file given explicitly as dataset_path serves whichever split asks for it
+    assert _docs("titan_corpus", path=str(tmp_path), split="validation") == DOCS[20:]
+    # a file given explicitly as path serves whichever split asks for it
     val_file = str(tmp_path / "validation" / "part-0000.jsonl")
-    assert _docs("mine", dataset_path=val_file, split="validation") == DOCS[20:]
-    assert _docs(val_file, dataset_path=val_file, split="validation") == DOCS[20:]
+    assert _docs("mine", path=val_file, split="validation") == DOCS[20:]
+    assert _docs(val_file, path=val_file, split="validation") == DOCS[20:]
     assert is_local_dataset(val_file) and not is_local_dataset("allenai/c4")
     register_dataset(
         "tiny_test", DatasetSpec(description="t", local_root=lambda: tmp_path), overwrite=True
@@ -200,7 +219,7 @@ def _take(loader: ParallelAwareDataloader, n: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dataset", ["local", "hf_json"])
 def test_resume_is_exact(tmp_path: Path, tok: Tokenizer, dataset: str) -> None:
     path = str(_write_jsonl(tmp_path / "d.jsonl", DOCS))
-    kwargs = {"dataset": path} if dataset == "local" else {"dataset": "json", "dataset_path": path}
+    kwargs = {"dataset": path} if dataset == "local" else {"dataset": "json", "path": path}
     kwargs |= {"dp_rank": 1, "dp_world_size": 2}
     total = 30
     reference = _take(_loader(tok, **kwargs), total)  # type: ignore[arg-type]
@@ -232,10 +251,10 @@ def test_state_of_another_rank_is_ignored(tmp_path: Path, tok: Tokenizer) -> Non
 
 def test_hf_json_matches_local_and_splits_ranks(tmp_path: Path) -> None:
     path = str(_write_jsonl(tmp_path / "d.jsonl", DOCS))
-    assert _docs("json", dataset_path=path) == DOCS
-    shares = [_docs("json", dataset_path=path, dp_rank=r, dp_world_size=2) for r in range(2)]
+    assert _docs("json", path=path) == DOCS
+    shares = [_docs("json", path=path, dp_rank=r, dp_world_size=2) for r in range(2)]
     assert sorted(shares[0] + shares[1]) == sorted(DOCS) and not set(shares[0]) & set(shares[1])
-    source = build_document_source("json", dataset_path=path, dp_rank=1, dp_world_size=2)
+    source = _source("json", path=path, dp_rank=1, dp_world_size=2)
     assert list(source.iter_from(5)) == shares[1][5:]
 
 
@@ -245,7 +264,7 @@ def test_hf_non_streaming_skip_and_counts(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in ["", *DOCS[:6]]))
-    source = build_document_source("json", dataset_path=str(path), streaming=False)
+    source = _source("json", path=str(path), streaming=False)
     assert list(source.iter_from(3)) == DOCS[2:6]
     assert list(source) == DOCS[:6]
     assert source.stats["skipped_empty"] == 1
@@ -287,7 +306,7 @@ def test_bundled_assets(assets: Path) -> None:
     ids = tok.encode(sample, bos=False, eos=False)
     assert tok.decode(ids) == sample
     assert len(sample.encode()) / len(ids) > 2.5  # a real BPE compresses English well
-    assert _docs("titan_corpus", dataset_path=str(corpus), split="validation") == val
+    assert _docs("titan_corpus", path=str(corpus), split="validation") == val
 
 
 def test_bundled_assets_rebuild_is_a_noop(assets: Path) -> None:

@@ -19,7 +19,6 @@ from torch.nn.attention.flex_attention import flex_attention
 from titan_core.build import check_job
 from titan_core.components.loss import cross_entropy_loss
 from titan_core.config.job import Float8
-from titan_core.config.manager import parse_args
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.data.shards import tokenizer_info
 from titan_core.errors import ConfigError
@@ -31,6 +30,7 @@ from titan_core.models.common import (
 )
 from titan_core.models.common.parallelize import decoder_tp_plan
 from titan_core.models.llama3 import Transformer, TransformerModelArgs
+from titan_core.resolve import parse_args
 from titan_core.train import run
 
 SEQ = 64
@@ -164,12 +164,12 @@ def _train(dump: Path, docs: list[list[int]], masking: bool) -> dict[str, dict[i
     url = str(dump / "data")
     tokenizer = tokenizer_info(Tokenizer(str(default_tokenizer_path())))
     write_docs(url, [docs], [docs], tokenizer=tokenizer)
-    args = ["--module", "llama3", "--config", "llama3_debugmodel_tiny", "--training.dataset", url]
+    args = ["--module", "llama3", "--config", "llama3_debugmodel_tiny", "--dataloader.dataset", url]
     args += ["--job.dump_folder", str(dump / "run"), "--training.steps", "3"]
-    args += ["--training.no_dataset_shuffle", "--metrics.log_freq", "1", "--debug.deterministic"]
+    args += ["--dataloader.no_shuffle", "--metrics.log_freq", "1", "--debug.deterministic"]
     args += ["--validation.enable", "--validation.freq", "1", "--validation.steps", "2"]
     if masking:
-        args += ["--training.document_masking", "--training.document_positions"]
+        args += ["--dataloader.document_masking", "--training.document_positions"]
     history = run(parse_args(args))
     keys = ("loss", "validation/loss")
     return {k: {int(row["step"]): row[k] for row in history if k in row} for k in keys}
@@ -245,8 +245,8 @@ def test_masking_under_tensor_parallel() -> None:
 def test_masking_with_pp_or_cp_is_refused(flags: list[str]) -> None:
     base = ["--module", "llama3", "--config", "llama3_debugmodel_tiny", *flags]
     check_job(parse_args(base), world_size=2)  # the layout itself is valid
-    with pytest.raises(ConfigError, match=r"^training\.document_masking: .*pipeline"):
-        check_job(parse_args([*base, "--training.document_masking"]), world_size=2)
+    with pytest.raises(ConfigError, match=r"^dataloader\.document_masking: .*pipeline"):
+        check_job(parse_args([*base, "--dataloader.document_masking"]), world_size=2)
 
 
 def test_evaluation_masks_like_training() -> None:

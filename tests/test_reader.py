@@ -18,6 +18,7 @@ import pytest
 import torch
 from prepared_helpers import TOKENIZER, prepare_corpus, random_docs, write_docs
 
+from titan_core.config.job import Dataloader
 from titan_core.data import shards
 from titan_core.data.loader import build_dataloader
 from titan_core.data.reader import PreparedDataloader, build_prepared_dataloader
@@ -28,10 +29,19 @@ from titan_core.errors import DataError
 FP = TOKENIZER["fingerprint"]
 
 
+LOADER_ARGS = ("fingerprint", "local_batch_size", "seq_len", "dp_rank", "dp_world_size", "infinite")
+
+
 def _loader(datasets: str | list[tuple[str, float]], **kwargs: Any) -> PreparedDataloader:
-    mix = [(datasets, 1.0)] if isinstance(datasets, str) else datasets
-    defaults = {"split": "train", "fingerprint": FP, "local_batch_size": 4, "seq_len": 16}
-    return build_prepared_dataloader(mix, **(defaults | {"prefetch": 0} | kwargs))
+    """The loader of one prepared dataset or a [(url, weight)] mix; ``kwargs`` holds
+    ``Dataloader`` fields (prefetch 0 unless given) and the loader's own ``LOADER_ARGS``."""
+    args = {"fingerprint": FP, "local_batch_size": 4, "seq_len": 16}
+    args |= {k: kwargs.pop(k) for k in LOADER_ARGS if k in kwargs}
+    if isinstance(datasets, str):
+        data: dict[str, Any] = {"dataset": datasets}
+    else:
+        data = {"mix": [f"{url}={weight}" for url, weight in datasets]}
+    return build_prepared_dataloader(Dataloader(**({"prefetch": 0} | data | kwargs)), **args)
 
 
 def _take(loader: PreparedDataloader, n: int) -> list[tuple[torch.Tensor, ...]]:
@@ -332,7 +342,7 @@ def test_training_from_s3_reads_ranges(
 ) -> None:
     """`titan_core.train` (in this process) on prepared data on the S3 server: no full
     download, and the prefetch thread is gone when training returns."""
-    from titan_core.config.manager import parse_args
+    from titan_core.resolve import parse_args
     from titan_core.train import run
 
     s3_server.set_env(monkeypatch)
@@ -342,7 +352,7 @@ def test_training_from_s3_reads_ranges(
     size = sum(fs.du(f"{s3_server.bucket}/{tmp_path.name}/corpus/shards", total=False).values())
     requests = _watch_s3(fs, s3_server.bucket)
     argv = [*TRAIN, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "3"]
-    history = run(parse_args([*argv, "--training.dataset", url, "--validation.no_enable"]))
+    history = run(parse_args([*argv, "--dataloader.dataset", url, "--validation.no_enable"]))
     assert [int(h["step"]) for h in history] == [1, 2, 3]
     assert _shard_bytes_fetched(requests) < size / 20, size
     assert not [t for t in threading.enumerate() if t.name == "titan-data-prefetch"]
@@ -353,7 +363,7 @@ def test_training_from_s3_reads_ranges(
 
     s3_server.set_env(monkeypatch, secret_key="wrong-secret")
     clear_fsspec_s3_cache()
-    cfg = parse_args([*argv, "--training.dataset", url, "--validation.no_enable"])
+    cfg = parse_args([*argv, "--dataloader.dataset", url, "--validation.no_enable"])
     with pytest.raises(DataError) as info:
         check_job(cfg, 1)
     assert len(str(info.value).splitlines()) == 1 and url in str(info.value), info.value
@@ -402,12 +412,13 @@ def test_dispatch_keeps_raw_text_on_the_raw_path(
     tok = Tokenizer(str(_tokenizer_path()))
     raw = tmp_path / "d.jsonl"
     raw.write_text("".join(json.dumps({"text": f"doc {i} " * 9}) + "\n" for i in range(20)))
-    common = {"tokenizer": tok, "local_batch_size": 2, "seq_len": 8}
-    assert isinstance(build_dataloader(dataset=str(raw), **common), ParallelAwareDataloader)
+    common: dict[str, Any] = {"tokenizer": tok, "local_batch_size": 2, "seq_len": 8}
+    raw_loader = build_dataloader(Dataloader(dataset=str(raw)), **common)
+    assert isinstance(raw_loader, ParallelAwareDataloader)
     corpus = prepare_corpus(str(tmp_path / "p"), tok, _corpus(), max_files=1)
-    assert isinstance(build_dataloader(dataset=corpus, **common), PreparedDataloader)
+    assert isinstance(build_dataloader(Dataloader(dataset=corpus), **common), PreparedDataloader)
     with pytest.raises(DataError, match="another tokenizer"):
-        build_dataloader(dataset=small[0], **common)
+        build_dataloader(Dataloader(dataset=small[0]), **common)
 
 
 # --- training from prepared data -----------------------------------------------------------------
@@ -455,7 +466,7 @@ def test_titan_train_on_a_prepared_mix_with_validation(
     full, part = corpus_pair
     dump = tmp_path / "run"
     argv = ["--job.dump_folder", str(dump), "--training.steps", "4"]
-    argv += ["--training.dataset_mix", f"{full}=3", f"{part}=1"]
+    argv += ["--dataloader.mix", f"{full}=3", f"{part}=1"]
     argv += ["--validation.enable", "--validation.freq", "2", "--validation.steps", "2"]
     proc = _train(argv)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -472,21 +483,21 @@ def test_bad_prepared_data_stops_before_anything_is_written(
 ) -> None:
     """A damaged shard: `titan_core.train` and `titan train --ngpu 2` (before torchrun starts)
     print one line naming the file, exit 2, and write nothing."""
-    from flows import main as cli
-    from titan_core import cli as engine_cli
+    import titan_core.cli as cli
+    from titan_core.cli import train as engine_cli
 
     broken = tmp_path / "broken"
     write_docs(str(broken), random_docs(3, 2, 20), tokenizer=_tokenizer_info())
     shard = broken / "shards" / "unit0001-train.tokens"
     shard.write_bytes(shard.read_bytes()[:-4])
     dump = tmp_path / "run"
-    proc = _train(["--job.dump_folder", str(dump), "--training.dataset", str(broken)])
+    proc = _train(["--job.dump_folder", str(dump), "--dataloader.dataset", str(broken)])
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and str(shard) in errors[0], proc.stderr[-3000:]
     monkeypatch.setattr(engine_cli.os, "execve", lambda *_: pytest.fail("torchrun was launched"))
     argv = ["train", *TRAIN, "--ngpu", "2", "--job.dump_folder", str(dump)]
-    assert cli.main([*argv, "--training.dataset_mix", f"{corpus_pair[0]}=1", f"{broken}=1"]) == 2
+    assert cli.main([*argv, "--dataloader.mix", f"{corpus_pair[0]}=1", f"{broken}=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(shard) in err, err
     assert not dump.exists()
@@ -537,10 +548,10 @@ def test_a_validation_split_smaller_than_one_global_batch_fails_before_launch(
     """check_job (run before torchrun starts) knows the DP degree: a validation split with
     fewer samples than one validation batch over every rank is one line there."""
     from titan_core.build import check_job
-    from titan_core.config.manager import parse_args
+    from titan_core.resolve import parse_args
 
     full, _ = corpus_pair
-    argv = [*TRAIN, "--training.dataset", full, "--validation.enable"]
+    argv = [*TRAIN, "--dataloader.dataset", full, "--validation.enable"]
     cfg = parse_args([*argv, "--validation.local_batch_size", "4"])
     check_job(cfg, 2)  # fits
     tokens = sum(s.num_tokens for s in shards.read_manifest(full).split_shards("validation"))

@@ -47,7 +47,7 @@ def _global_batches(dump_dir: Path) -> dict[int, torch.Tensor]:
 def test_resume_on_1_and_4_ranks_continues_the_2_rank_run(
     tmp_path: Path, parity_seed: Path, prepared: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    extra = ["--training.dataset", prepared, "--checkpoint.no_load_only"]
+    extra = ["--dataloader.dataset", prepared, "--checkpoint.no_load_only"]
     extra += ["--checkpoint.interval", str(K), "--checkpoint.keep_latest_k", "0"]
     extra += ["--checkpoint.no_last_save_model_only"]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from titan_core.checkpoint.manager import COMMIT_MARKER, FAULT_ENV, complete_steps
-from titan_core.config.manager import parse_args
+from titan_core.resolve import parse_args
 from titan_core.train import run
 
 TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
@@ -267,7 +267,7 @@ def test_gradient_accumulation_matches_bigger_batch(tmp_path: Path, assets: Path
         (["--training.stepz", "3"], "training.stepz"),
         (["--training.steps", "three"], "training.steps"),
         (["--job.config_file", "BROKEN_TOML"], "line"),
-        (["--training.dataset", "EMPTY_JSONL"], "empty.jsonl"),
+        (["--dataloader.dataset", "EMPTY_JSONL"], "empty.jsonl"),
     ],
 )
 def test_bad_input_one_line_nothing_written(
@@ -301,7 +301,7 @@ def test_torchrun_data_parallel_two_processes(
         [
             sys.executable,
             "-m",
-            "flows.main",
+            "titan_core.cli",
             "train",
             "--ngpu",
             "2",
@@ -499,7 +499,7 @@ def test_a_stop_request_after_the_last_log_step_is_dropped(
     job completes, deletes the request and leaves no record, so a later run trains on; the
     train task does the same with one that came while the job was saving and exiting."""
     from titan_core.logging import logger
-    from titan_core.pipeline.training import discard_late_stop
+    from titan_core.pipeline.stages.training import discard_late_stop
     from titan_core.stop_request import request_stop, stopped_early
     from titan_core.trainer import Trainer
 
@@ -538,7 +538,7 @@ def test_stop_request_stops_every_rank_of_a_torchrun_job(tmp_path: Path, assets:
 
     dump = tmp_path / "dp"
     request_stop(str(dump))  # before the start: rank 0 sees it at the first log step (1)
-    argv = ["-m", "flows.main", "train", "--ngpu", "2", *_args(dump, "--metrics.log_freq", "3")]
+    argv = ["-m", "titan_core.cli", "train", "--ngpu", "2", *_args(dump, "--metrics.log_freq", "3")]
     proc = subprocess.run(
         [sys.executable, *argv],
         env={**os.environ, "OMP_NUM_THREADS": "1"},

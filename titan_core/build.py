@@ -142,29 +142,29 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> Any:
 
 
 def check_prepared_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int = 1) -> None:
-    """Prepared datasets the job reads (training.dataset or dataset_mix, and validation's):
+    """Prepared datasets the job reads (dataloader.dataset or its mix, and validation's):
     manifest present, this job's tokenizer, shard sizes as listed (one listing per dataset),
     enough tokens for one sample. DataError naming the file; raw text is checked later."""
     from titan_core.components.validate import validation_data
     from titan_core.data import shards
     from titan_core.data.windows import check_prepared
 
-    t = cfg.training
-    mix = [url for url, _ in parse_mix(t.dataset_mix)]
-    train = mix or [loc for loc in [t.dataset_path or t.dataset] if shards.is_prepared(loc)]
-    if t.document_masking and not train:
+    t, d = cfg.training, cfg.dataloader
+    mix = [url for url, _ in parse_mix(d.mix)]
+    train = mix or [loc for loc in [d.location] if shards.is_prepared(loc)]
+    if d.document_masking and not train:
         raise ConfigError(
-            f"training.document_masking: needs a prepared dataset (titan data prepare), got "
-            f"{t.dataset_path or t.dataset!r}"
+            f"dataloader.document_masking: needs a prepared dataset (titan data prepare), got "
+            f"{d.location!r}"
         )
     todo = [(url, "train") for url in train]
     if cfg.validation.enable:
         data = validation_data(cfg)
         if shards.is_prepared(loc := data["dataset_path"] or data["dataset"]):
             todo.append((loc, data["split"]))
-        elif t.document_masking:
+        elif d.document_masking:
             raise ConfigError(
-                f"validation.dataset: training.document_masking needs a prepared dataset, got "
+                f"validation.dataset: dataloader.document_masking needs a prepared dataset, got "
                 f"{loc!r}"
             )
     for url, split in todo:
@@ -191,9 +191,9 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
     spec = get_model_spec(cfg.model.name)
     # Depth and tying from the flavor: the vocabulary (the tokenizer's) is filled in below.
     spec.check(parallel_dims, cfg, dist_utils.device_type(), flavor_args(cfg))
-    if cfg.training.document_masking and (parallel_dims.pp_enabled or parallel_dims.cp_enabled):
+    if cfg.dataloader.document_masking and (parallel_dims.pp_enabled or parallel_dims.cp_enabled):
         raise ConfigError(
-            "training.document_masking: not supported with pipeline or context parallelism yet "
+            "dataloader.document_masking: not supported with pipeline or context parallelism yet "
             "(parallelism.pipeline_parallel_degree and context_parallel_degree must be 1)"
         )
     tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))

@@ -37,10 +37,10 @@ from titan_core.components.mlflow_sink import mlflow_sink_from_env
 from titan_core.components.moe_stats import MoEStats
 from titan_core.components.optimizer import OptimizerState, build_optimizer
 from titan_core.components.profiling import MemoryProfiler, maybe_enable_profiling
-from titan_core.components.validate import Validator, validation_data
+from titan_core.components.validate import Validator, validation_data, validation_dataloader
 from titan_core.config.dtypes import autocast_dtype, compute_dtype
-from titan_core.config.job import JobConfig, parse_mix
-from titan_core.config.manager import to_toml
+from titan_core.config.job import Dataloader, JobConfig
+from titan_core.config.schema import to_toml
 from titan_core.data import PreparedDataloader, build_dataloader
 from titan_core.distributed import flight_recorder
 from titan_core.distributed import utils as dist_utils
@@ -75,14 +75,7 @@ class Trainer:
             flight_recorder.set_group_timeouts(cfg.comm.init_timeout_seconds)
         dp_rank = self.parallel_dims.dp_rank(self.dist.rank)
         self._finite_loaders: dict[tuple, PreparedDataloader] = {}  # validation, built once
-        self.dataloader = self._build_loader(
-            cfg.training.dataset,
-            cfg.training.dataset_path,
-            cfg.training.dataset_split,
-            dp_rank,
-            infinite=True,
-            num_streams=cfg.training.data_streams,
-        )
+        self.dataloader = self._build_loader(cfg.dataloader, dp_rank, infinite=True)
         self.validator = self._build_validator(dp_rank)
 
         pp_rank = self.parallel_dims.mesh["pp"].get_local_rank() if self.parallel_dims.pp > 1 else 0
@@ -126,7 +119,7 @@ class Trainer:
         )
         self.checkpointer.model_description = describe_model(cfg.model.name, self.model_args)
         if cfg.checkpoint.initial_load_in_hf:
-            from titan_core.convert.hf_to_dcp import load_hf_into_model
+            from titan_core.checkpoint.hf_weights import load_hf_into_model
 
             self.checkpointer.hf_loader = load_hf_into_model
         self.extra_sinks = extra_sinks or []
@@ -135,57 +128,31 @@ class Trainer:
 
     # ------------------------------------------------------------------ building
     def _build_loader(
-        self,
-        dataset: str,
-        path: str,
-        split: str,
-        dp_rank: int,
-        infinite: bool,
-        batch_size: int | None = None,
-        num_streams: int = 0,
+        self, data: Dataloader, dp_rank: int, infinite: bool, batch_size: int | None = None
     ) -> Any:
         t = self.cfg.training
-        key = (dataset, path, split, batch_size)
+        key = (data.dataset, data.path, data.split, batch_size)
         if not infinite and key in self._finite_loaders:  # a prepared pass restarts by itself
             return self._finite_loaders[key]
         loader = build_dataloader(
-            dataset=dataset,
-            dataset_path=path,
-            split=split,
-            text_field=t.dataset_text_field,
-            streaming=t.dataset_streaming,
+            data,
             tokenizer=self.tokenizer,
             local_batch_size=batch_size or t.local_batch_size,
             seq_len=t.seq_len,
             dp_rank=dp_rank,
             dp_world_size=self.parallel_dims.dp_degree,
             infinite=infinite,
-            num_streams=num_streams,
-            # Prepared datasets (a validation loader reads one dataset, in order):
-            mix=parse_mix(t.dataset_mix) if infinite else None,
-            shuffle=t.dataset_shuffle,
-            seed=t.dataset_seed,
-            verify=t.dataset_verify,
-            prefetch=t.dataset_prefetch,
-            cache_mb=t.dataset_cache_mb,
-            document_masking=t.document_masking,
         )
         if not infinite and isinstance(loader, PreparedDataloader):  # checked and opened once
             self._finite_loaders[key] = loader
         return loader
 
     def _build_validator(self, dp_rank: int) -> Validator:
-        v, data = self.cfg.validation, validation_data(self.cfg)
+        v, data = self.cfg.validation, validation_dataloader(self.cfg)
+        batch_size = validation_data(self.cfg)["local_batch_size"]
 
         def build() -> Any:
-            return self._build_loader(
-                data["dataset"],
-                data["dataset_path"],
-                data["split"],
-                dp_rank,
-                False,
-                data["local_batch_size"],
-            )
+            return self._build_loader(data, dp_rank, False, batch_size)
 
         if v.enable:
             build()  # fail now, before writing anything, if the split is missing or empty

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_core.config.job import JobConfig, parse_mix
+from titan_core.config.job import Dataloader, JobConfig, parse_mix
 from titan_core.config.job import Validation as ValidationConfig
 from titan_core.data.datasets import is_local_dataset
 from titan_core.distributed.pipeline_parallel import PipelineRunner
@@ -25,23 +26,37 @@ def validation_data(cfg: JobConfig) -> dict[str, Any]:
 
     They follow the ``validation`` section as the trainer's validator does: a separate local
     validation file is both the dataset and its path; a registered or Hugging Face name reads
-    its validation split, and so does a prepared dataset (with ``training.dataset_mix``: the
-    first dataset of the mix).
+    its validation split, and so does a prepared dataset (with ``dataloader.mix``: the first
+    dataset of the mix).
     """
-    v, t = cfg.validation, cfg.training
-    mix = parse_mix(t.dataset_mix)
+    v, t, d = cfg.validation, cfg.training, cfg.dataloader
+    mix = parse_mix(d.mix)
     if v.dataset:
         path = v.dataset if is_local_dataset(v.dataset) else ""
     else:  # a prepared dataset's validation split; under a mix, the first dataset's
-        path = "" if mix else t.dataset_path
+        path = "" if mix else d.path
     return {
-        "dataset": v.dataset or (mix[0][0] if mix else t.dataset),
+        "dataset": v.dataset or (mix[0][0] if mix else d.dataset),
         "dataset_path": path,
         "split": v.dataset_split,
-        "text_field": t.dataset_text_field,
+        "text_field": d.text_field,
         "seq_len": t.seq_len,
         "local_batch_size": v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
     }
+
+
+def validation_dataloader(cfg: JobConfig) -> Dataloader:
+    """``cfg.dataloader`` reading the validation pass's data (``validation_data``): its dataset,
+    path and split, no mix, one stream per data-parallel rank."""
+    data = validation_data(cfg)
+    return dataclasses.replace(
+        cfg.dataloader,
+        dataset=data["dataset"],
+        path=data["dataset_path"],
+        split=data["split"],
+        mix=[],
+        streams=0,
+    )
 
 
 class Validator:

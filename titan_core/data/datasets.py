@@ -18,13 +18,14 @@ from typing import Any
 
 import fsspec
 
+from titan_core.config.job import Dataloader
 from titan_core.data.assets import bundled_corpus_dir
 from titan_core.data.sources import raw_rows as _raw_rows
 from titan_core.data.sources import strip_compression as _strip_compression
 from titan_core.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
-# `datasets` builders that read local files: dataset="json" with dataset_path=<data files>.
+# `datasets` builders that read local files: dataset="json" with path=<data files>.
 HF_FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 
 
@@ -114,14 +115,14 @@ class DocumentSource(ABC):
     def _text(self, row: Any, stats: dict[str, int]) -> str | None:
         """The text of one parsed row (None: skipped and counted). The first row with fields
         must have the text field: a DataError names it and the fields found, instead of a wrong
-        ``training.dataset_text_field`` skipping every row as empty. Later rows without it are
+        ``dataloader.text_field`` skipping every row as empty. Later rows without it are
         skipped like empty ones."""
         if not self._fields_checked and isinstance(row, dict) and row:
             if self.text_field not in row:
                 found = ", ".join(repr(str(k)) for k in list(row)[:20])
                 raise DataError(
                     f"{self.label}: rows have no field {self.text_field!r} (found: {found}); "
-                    "set training.dataset_text_field"
+                    "set dataloader.text_field"
                 )
             self._fields_checked = True
         return _row_text(row, self.text_field, stats)
@@ -254,50 +255,48 @@ def _split_location(location: str, split: str, explicit: bool, label: str) -> st
         return f"{location.rstrip('/')}/{split}"
     if split != "train" and not explicit:
         raise DataError(
-            f"{label}: local files have no {split!r} split; give that split its own dataset_path "
-            f"or use a folder with train/ and {split}/ subfolders"
+            f"{label}: local files have no {split!r} split; give that split its own path "
+            f"(validation.dataset) or use a folder with train/ and {split}/ subfolders"
         )
     return location
 
 
 def build_document_source(
-    dataset: str,
-    *,
-    dataset_path: str = "",
-    split: str = "train",
-    text_field: str = "text",
-    streaming: bool = True,
-    dp_rank: int = 0,
-    dp_world_size: int = 1,
+    cfg: Dataloader, *, dp_rank: int = 0, dp_world_size: int = 1
 ) -> DocumentSource:
-    """This rank's documents of `dataset`: a registered name, a `datasets` file builder ("json"
-    etc., files in dataset_path), a local/fsspec file or folder, else a Hugging Face dataset name.
+    """This rank's documents of ``cfg.dataset``: a registered name, a `datasets` file builder
+    ("json" etc., files in ``cfg.path``), a local/fsspec file or folder, else a Hugging Face
+    dataset name; ``cfg.split``, ``cfg.text_field`` and ``cfg.streaming`` say what to read.
 
-    dataset_path overrides where a registered dataset is read from. Local data is one split unless
+    ``cfg.path`` overrides where a registered dataset is read from. Local data is one split unless
     it is a folder with <split>/ subfolders: 'train' reads it, and another split (validation) reads
-    it only when it came from dataset_path (a path given for that split), so validation never
+    it only when it came from ``cfg.path`` (a path given for that split), so validation never
     silently re-reads the training files. Registered specs fix their own text_field; `streaming`
     applies to Hugging Face datasets only.
     """
     if dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank: expected 0 <= dp_rank < {dp_world_size}, got {dp_rank}")
-    where = f" at {dataset_path!r}" if dataset_path else ""
+    dataset, path, split = cfg.dataset, cfg.path, cfg.split
+    text_field, streaming = cfg.text_field, cfg.streaming
+    where = f" at {path!r}" if path else ""
     rank = f" dp rank {dp_rank}/{dp_world_size}" if dp_world_size > 1 else ""
     label = f"dataset {dataset!r}{where} split {split!r}{rank}"
     ranks = {"dp_rank": dp_rank, "dp_world_size": dp_world_size}
     if dataset in _REGISTRY:
-        return _from_spec(_REGISTRY[dataset], dataset_path, split, streaming, label, ranks)
+        return _from_spec(_REGISTRY[dataset], path, split, streaming, label, ranks)
     if dataset in HF_FILE_BUILDERS:
-        if not dataset_path:
-            raise DataError(f"{label}: the {dataset!r} builder needs dataset_path (its data files)")
+        if not path:
+            raise DataError(
+                f"{label}: the {dataset!r} builder needs dataloader.path (its data files)"
+            )
         # The files given are the requested split; `datasets` files them under "train".
         return HFDocumentSource(
-            dataset, data_files=dataset_path, split="train", streaming=streaming,
+            dataset, data_files=path, split="train", streaming=streaming,
             text_field=text_field, label=label, **ranks,
         )  # fmt: skip
-    location = dataset_path or dataset
+    location = cfg.location
     if is_local_dataset(location):
-        location = _split_location(location, split, bool(dataset_path), label)
+        location = _split_location(location, split, bool(path), label)
         files = _local_files(location, label)
         return LocalDocumentSource(files, text_field=text_field, label=label, **ranks)
     return HFDocumentSource(
@@ -307,7 +306,7 @@ def build_document_source(
 
 def _from_spec(
     spec: DatasetSpec,
-    dataset_path: str,
+    path: str,
     split: str,
     streaming: bool,
     label: str,
@@ -317,10 +316,10 @@ def _from_spec(
         raise DataError(f"{label}: unknown split, expected one of {list(spec.splits)}")
     if spec.local_root is None:
         return HFDocumentSource(
-            dataset_path or spec.hf_path, name=spec.hf_name, split=split, streaming=streaming,
+            path or spec.hf_path, name=spec.hf_name, split=split, streaming=streaming,
             text_field=spec.text_field, label=label, **ranks,
         )  # fmt: skip
-    location = f"{(dataset_path or str(spec.local_root())).rstrip('/')}/{split}"
+    location = f"{(path or str(spec.local_root())).rstrip('/')}/{split}"
     try:
         files = _local_files(location, label)
     except DataError as e:

@@ -11,6 +11,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from titan_core.config.job import Dataloader
 from titan_core.data import shards
 from titan_core.data.datasets import DocumentSource, build_document_source
 from titan_core.data.reader import PreparedDataloader, build_prepared_dataloader
@@ -212,78 +213,50 @@ class ParallelAwareDataloader(Stateful):
 
 
 def build_dataloader(
+    cfg: Dataloader,
     *,
-    dataset: str,
-    dataset_path: str = "",
-    split: str = "train",
-    text_field: str = "text",
-    streaming: bool = True,
     tokenizer: Tokenizer,
     local_batch_size: int,
     seq_len: int,
     dp_rank: int = 0,
     dp_world_size: int = 1,
     infinite: bool = True,
-    num_streams: int = 0,
-    mix: list[tuple[str, float]] | None = None,
-    shuffle: bool = True,
-    seed: int = 0,
-    verify: str = "size",
-    prefetch: int = 2,
-    cache_mb: int = 64,
-    document_masking: bool = False,
 ) -> ParallelAwareDataloader | PreparedDataloader:
-    """The dataloader of a dataset for this dp rank.
+    """The dataloader of the data ``cfg`` names, for this dp rank.
 
-    A prepared dataset (``dataset_path or dataset`` holds a manifest) or a ``mix`` of prepared
-    datasets [(url, weight)] gets the prepared loader (``titan_core.data.reader``: ``shuffle``,
-    ``seed``, ``verify``, ``prefetch``, ``cache_mb``, ``document_masking`` apply, and
-    ``num_streams`` does not: any DP degree sees the same global batches). Raw text is
-    tokenized here: ``num_streams`` (0 = ``dp_world_size``) must be a multiple of
-    ``dp_world_size`` whose per-rank share divides ``local_batch_size``.
+    A prepared dataset (``cfg.location`` holds a manifest) or a ``cfg.mix`` of prepared datasets
+    gets the prepared loader (``titan_core.data.reader``: ``shuffle``, ``seed``, ``verify``,
+    ``prefetch``, ``cache_mb``, ``document_masking`` apply, and ``streams`` does not: any DP
+    degree sees the same global batches). Raw text is tokenized here: ``cfg.streams`` (0 =
+    ``dp_world_size``) must be a multiple of ``dp_world_size`` whose per-rank share divides
+    ``local_batch_size``.
     """
-    location = dataset_path or dataset
-    if mix or shards.is_prepared(location):
+    if cfg.mix or shards.is_prepared(cfg.location):
         return build_prepared_dataloader(
-            list(mix or [(location, 1.0)]),
-            split=split,
+            cfg,
             fingerprint=tokenizer.fingerprint,
             local_batch_size=local_batch_size,
             seq_len=seq_len,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
             infinite=infinite,
-            shuffle=shuffle,
-            seed=seed,
-            verify=verify,
-            prefetch=prefetch,
-            cache_mb=cache_mb,
-            document_masking=document_masking,
         )
-    if document_masking:
+    if cfg.document_masking:
         raise ConfigError(
-            f"training.document_masking: needs a prepared dataset (titan data prepare), got "
-            f"{location!r}"
+            f"dataloader.document_masking: needs a prepared dataset (titan data prepare), got "
+            f"{cfg.location!r}"
         )
-    num_streams = num_streams or dp_world_size
+    num_streams = cfg.streams or dp_world_size
     if num_streams % dp_world_size or local_batch_size % (num_streams // dp_world_size):
         raise DataError(
-            f"training.data_streams: expected a multiple of the data-parallel degree "
+            f"dataloader.streams: expected a multiple of the data-parallel degree "
             f"({dp_world_size}) whose share per rank divides training.local_batch_size "
             f"({local_batch_size}), got {num_streams}"
         )
     k = num_streams // dp_world_size
     packed = []
     for stream in range(dp_rank * k, dp_rank * k + k):
-        source = build_document_source(
-            dataset,
-            dataset_path=dataset_path,
-            split=split,
-            text_field=text_field,
-            streaming=streaming,
-            dp_rank=stream,
-            dp_world_size=num_streams,
-        )
+        source = build_document_source(cfg, dp_rank=stream, dp_world_size=num_streams)
         source.check_nonempty()
         packed.append(TextPackingDataset(source, tokenizer, seq_len, infinite=infinite))
     return ParallelAwareDataloader(

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titan_core.config.job import Dataloader, parse_mix
 from titan_core.data.sampling import (
     Cursor,
     Identity,
@@ -327,35 +328,30 @@ def _names(readers: list[SplitReader]) -> list[str]:
 
 
 def build_prepared_dataloader(
-    datasets: list[tuple[str, float]],
+    cfg: Dataloader,
     *,
-    split: str,
     fingerprint: str,
     local_batch_size: int,
     seq_len: int,
     dp_rank: int = 0,
     dp_world_size: int = 1,
     infinite: bool = True,
-    shuffle: bool = True,
-    seed: int = 0,
-    verify: str = "size",
-    prefetch: int = 2,
-    cache_mb: int = 64,
-    document_masking: bool = False,
 ) -> PreparedDataloader:
-    """Check and open ``split`` of each (url, weight) prepared dataset and wrap them. A finite
+    """Check and open ``cfg.split`` of the prepared datasets ``cfg`` names (its ``mix``, else
+    its ``location``) and wrap them with its order, prefetch and masking settings. A finite
     (validation) loader reads only the first dataset, in order."""
+    datasets = parse_mix(cfg.mix) or [(cfg.location, 1.0)]
     if not infinite:
         datasets = datasets[:1]
     readers = [
         open_split(
             url,
-            split,
+            cfg.split,
             fingerprint=fingerprint,
             seq_len=seq_len,
-            verify=verify,
-            cache_mb=cache_mb,
-            sequential=not (shuffle and infinite),
+            verify=cfg.verify,
+            cache_mb=cfg.cache_mb,
+            sequential=not (cfg.shuffle and infinite),
         )
         for url, _ in datasets
     ]
@@ -366,8 +362,8 @@ def build_prepared_dataloader(
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         infinite=infinite,
-        shuffle=shuffle,
-        seed=seed,
-        prefetch=prefetch,
-        document_masking=document_masking,
+        shuffle=cfg.shuffle,
+        seed=cfg.seed,
+        prefetch=cfg.prefetch,
+        document_masking=cfg.document_masking,
     )
