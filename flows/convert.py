@@ -30,9 +30,10 @@ def convert(
     defaults to the run's ``config.toml``, ``overrides`` (dotted keys, e.g.
     ``{"convert.dtype": "float32"}``) apply on top. Returns the export's URL."""
     from titan_core.evaluate import resolve_checkpoint
+    from titan_core.resolve import resolve_job
 
     step_dir = resolve_checkpoint(checkpoint).step_dir
-    config_url = config_file or run_config_url(step_dir)
+    job = resolve_job("", config_file or run_config_url(step_dir))
     return convert_to_hf(
-        step_dir, config_url, output=absolute(output) if output else "", overrides=overrides
+        step_dir, job, output=absolute(output) if output else "", overrides=overrides
     )

@@ -23,6 +23,9 @@ def evaluate(
     defaults to the run's ``config.toml``, ``overrides`` (dotted keys, e.g.
     ``{"evaluate.batches": 2}``) apply on top. Returns the metrics, the evaluated step and
     checkpoint, and the report's URL."""
+    from titan_core.resolve import resolve_job
+
+    job = resolve_job("", config_file) if config_file else None  # None: the run's config.toml
     return eval_tasks.evaluate(
-        checkpoint, config_file, output=absolute(output) if output else "", overrides=overrides
+        checkpoint, job, output=absolute(output) if output else "", overrides=overrides
     )

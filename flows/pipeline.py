@@ -27,7 +27,6 @@ from tasks.train import train, upload_run_files
 from titan_core import storage
 from titan_core.config.form import ConfigForm, flow_values
 from titan_core.config.job import JobConfig
-from titan_core.config.schema import to_toml
 from titan_core.pipeline.run.common import public_url
 from titan_core.pipeline.run.config import DEFAULT_RECIPE, flow_run_tags, run_config
 from titan_core.pipeline.run.paths import RunPaths, absolute
@@ -39,6 +38,7 @@ from titan_core.pipeline.stages.data import (
     record_dataset,
     train_on,
 )
+from titan_core.pipeline.stages.preflight import Preflight
 from titan_core.pipeline.stages.seed import is_complete, seed_identity
 from titan_core.pipeline.stages.tokenizer import tokenizer_source
 from titan_core.resolve import resolve_job
@@ -59,19 +59,21 @@ def train_with_retries(cfg: JobConfig) -> Any:
 
 
 def train_and_publish(
-    cfg: JobConfig,
+    checked: Preflight,
     paths: RunPaths,
     tracking: TrackingContext | None,
     *,
     seed_url: str,
 ) -> dict[str, Any]:
-    """Train the run's stored config, upload its files, export, evaluate and publish; returns
-    the publication's fields (``Publication``) and the tracking URI as plain data."""
-    checkpoint = train_with_retries(cfg)(paths.config, seed_url, tracking)
-    upload_run_files(paths.config)
-    # Both stages read their settings ([convert], [evaluate]) from the run's stored config.
-    hf_url = convert_to_hf(checkpoint, paths.config, tracking=tracking)
-    evaluation = evaluate(checkpoint, paths.config, tracking=tracking)
+    """Train the config preflight checked and stored, upload its files, export, evaluate and
+    publish; returns the publication's fields (``Publication``) and the tracking URI as plain
+    data. Every stage gets the resolved config itself (``checked.config``); only the ranks
+    read the stored ``config.toml``."""
+    cfg = checked.config
+    checkpoint = train_with_retries(cfg)(cfg, paths.config, seed_url, tracking)
+    upload_run_files(cfg)
+    hf_url = convert_to_hf(checkpoint, cfg, tracking=tracking)  # its [convert] section
+    evaluation = evaluate(checkpoint, cfg, tracking=tracking)  # its [evaluate] section
     published = publish(
         paths.run_root, checkpoint, hf_url, evaluation, tracking, cfg.tracking.registered_model
     )
@@ -154,17 +156,17 @@ def pretrain_pipeline(
         job = run_config(cfg, paths, tokenizer_url)
         if prepared is not None:
             job = train_on(job, prepared)
-        checked = preflight(to_toml(job), paths.config)
+        checked = preflight(job, paths.config)
         seed_url = cached(
             create_seed_checkpoint,
             is_complete,
-            config_url=paths.config,
-            identity=seed_identity(job, checked.model_args, paths.root),
+            job=checked.config,
+            identity=seed_identity(checked.config, checked.model_args, paths.root),
         )
-        result = train_and_publish(job, paths, tracking, seed_url=seed_url) | {
+        result = train_and_publish(checked, paths, tracking, seed_url=seed_url) | {
             "tokenizer": tokenizer_url,
             "seed": seed_url,
-            "preflight": dataclasses.asdict(checked),
+            "preflight": checked.summary(),
         }
         return result | (prepared.summary() if prepared else {})
 

@@ -22,7 +22,6 @@ from tasks.preflight import preflight
 from tasks.runs import find_latest_checkpoint, prepare_storage
 from tasks.runtime import current_run_id, load_secret, name_flow_run, run_id_name
 from titan_core.config.form import ConfigForm, flow_values
-from titan_core.config.schema import to_toml
 from titan_core.pipeline.run.config import DEFAULT_RECIPE, flow_run_tags, run_config
 from titan_core.pipeline.run.paths import RunPaths, absolute
 from titan_core.pipeline.run.tracking import TrackingContext
@@ -99,8 +98,8 @@ def retrain(
             job = train_on(job, prepared)
         grew = prepared is not None and dataset_grew(latest.run_root, prepared)
         job = continued_config(job, latest, previous, steps, new_data=grew)
-        preflight(to_toml(job), paths.config)
-        result = train_and_publish(job, paths, tracking, seed_url="")
+        checked = preflight(job, paths.config)
+        result = train_and_publish(checked, paths, tracking, seed_url="")
         extra = (prepared.summary() | {"dataset_grew": grew}) if prepared else {}
         return result | {"continued_from": latest.step_dir, **extra}
 

@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.common import retry_transient
 from tasks.runtime import run_logger
+from titan_core.config.job import JobConfig
 from titan_core.pipeline.run.common import redact
 from titan_core.pipeline.run.tracking import TrackingContext
 from titan_core.pipeline.stages.export import export_checkpoint
@@ -24,15 +25,15 @@ from titan_core.pipeline.stages.export import export_checkpoint
 )
 def convert_to_hf(
     checkpoint_url: str,
-    config_url: str,
+    job: JobConfig,
     output: str = "",
     tracking: TrackingContext | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> str:
     """Export ``checkpoint_url`` (safetensors, config, tokenizer) to ``output`` (default
-    ``<run>/hf``) as the run's ``[convert]`` config says (``overrides``: dotted keys set on it);
+    ``<run>/hf``) as ``job``'s ``[convert]`` section says (``overrides``: dotted keys set on it);
     returns the folder's URL. An existing complete export is kept."""
-    export = export_checkpoint(checkpoint_url, config_url, output, tracking, overrides)
+    export = export_checkpoint(checkpoint_url, job, output, tracking, overrides)
     if export.kept:
         run_logger().info("Hugging Face export already complete at %s", redact(export.url))
     else:

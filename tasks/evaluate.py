@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.common import retry_transient
 from tasks.runtime import run_logger
+from titan_core.config.job import JobConfig
 from titan_core.pipeline.run.tracking import TrackingContext
 from titan_core.pipeline.stages.evaluation import Evaluation, evaluate_stage
 
@@ -23,15 +24,16 @@ from titan_core.pipeline.stages.evaluation import Evaluation, evaluate_stage
 )
 def evaluate(
     checkpoint_url: str,
-    config_url: str = "",
+    job: JobConfig | None = None,
     output: str = "",
     tracking: TrackingContext | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> Evaluation:
-    """Evaluate ``checkpoint_url`` as the run's ``[evaluate]`` config says (``overrides``:
-    dotted keys set on it) and write ``<output>/eval/report.{json,md}`` (default output: the
-    checkpoint's run root); returns the metrics and the report's URL."""
-    result = evaluate_stage(checkpoint_url, config_url, output, tracking, overrides)
+    """Evaluate ``checkpoint_url`` as ``job``'s ``[evaluate]`` section says (default: the
+    checkpoint run's ``config.toml``; ``overrides``: dotted keys set on it) and write
+    ``<output>/eval/report.{json,md}`` (default output: the checkpoint's run root); returns the
+    metrics and the report's URL."""
+    result = evaluate_stage(checkpoint_url, job, output, tracking, overrides)
     metrics = result.metrics
     run_logger().info(
         "Step %d: eval loss %.4f, perplexity %.3f, bits/byte %.4f (%s tokens)",

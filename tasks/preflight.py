@@ -7,15 +7,17 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.runtime import run_logger
+from titan_core.config.job import JobConfig
 from titan_core.pipeline.run.common import redact
 from titan_core.pipeline.stages.preflight import Preflight, run_preflight
 
 
 @task(name="preflight", cache_policy=NO_CACHE)
-def preflight(config_toml: str, config_url: str) -> Preflight:
+def preflight(job: JobConfig, config_url: str) -> Preflight:
     """Validate the run's config at its world size (a fake-backend dry run, the memory budget),
-    then store it at ``config_url`` with its auto values resolved: the config the ranks load."""
-    summary = run_preflight(config_toml, config_url, run_logger())
+    then store it at ``config_url`` with its auto values resolved: the config the ranks load,
+    which the later stages take from ``Preflight.config``."""
+    summary = run_preflight(job, config_url, run_logger())
     run_logger().info(
         "Preflight passed: %s parameters, world size %d, estimated peak %.3f GiB per rank; "
         "config at %s",

@@ -10,6 +10,7 @@ from prefect.tasks import exponential_backoff
 
 from tasks.common import retry_transient
 from tasks.runtime import run_logger
+from titan_core.config.job import JobConfig
 from titan_core.pipeline.run.common import redact
 from titan_core.pipeline.stages.seed import seed_cache_key, write_seed_checkpoint
 
@@ -27,11 +28,11 @@ def _cache_key(context: Any, params: dict[str, Any]) -> str:
     retry_delay_seconds=exponential_backoff(backoff_factor=2),
     retry_condition_fn=retry_transient,
 )
-def create_seed_checkpoint(config_url: str, identity: dict[str, Any]) -> str:
+def create_seed_checkpoint(job: JobConfig, identity: dict[str, Any]) -> str:
     """Write ``<run>/checkpoint/seed`` for the run's config; returns its URL.
 
     Cached by ``identity`` (see ``seed_identity``), not by the run: a later run gets this URL.
     """
-    seed_url = write_seed_checkpoint(config_url)
+    seed_url = write_seed_checkpoint(job)
     run_logger().info("Seed checkpoint at %s", redact(seed_url))
     return seed_url

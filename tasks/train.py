@@ -20,7 +20,8 @@ from tasks.common import retry_transient
 from tasks.runtime import run_logger
 from titan_core import storage
 from titan_core.checkpoint.manager import complete_steps
-from titan_core.pipeline.run.common import load_config, redact
+from titan_core.config.job import JobConfig
+from titan_core.pipeline.run.common import redact
 from titan_core.pipeline.run.params import record_seed
 from titan_core.pipeline.run.tracking import TrackingContext, log_config, stage_run
 from titan_core.pipeline.run.transfer import refresh, upload_folder
@@ -33,16 +34,17 @@ FAULT_PREFIX = "TITAN_FAULT_"
 
 
 @task(name="train", cache_policy=NO_CACHE, retry_condition_fn=retry_transient)
-def train(config_url: str, seed_url: str = "", tracking: TrackingContext | None = None) -> str:
-    """Train the run's config with torchrun; returns the final checkpoint's URL.
-
-    ``seed_url`` is loaded when the run has no checkpoint of its own yet.
+def train(
+    job: JobConfig, config_url: str, seed_url: str = "", tracking: TrackingContext | None = None
+) -> str:
+    """Train ``job``, stored at ``config_url`` for the ranks, with torchrun; returns the final
+    checkpoint's URL. ``seed_url`` is loaded when the run has no checkpoint of its own yet.
     """
     from titan_core.build import local_side_folder
     from titan_core.components.mlflow_sink import mlflow_env
     from titan_core.launch import get_launcher, train_spec
 
-    cfg = load_config(config_url)
+    cfg = job
     logger = run_logger()
     from prefect.runtime import task_run
 
@@ -90,11 +92,10 @@ def train(config_url: str, seed_url: str = "", tracking: TrackingContext | None 
     retry_delay_seconds=[1, 4],
     retry_condition_fn=retry_transient,
 )
-def upload_run_files(config_url: str) -> list[str]:
+def upload_run_files(cfg: JobConfig) -> list[str]:
     """Upload the ranks' local side folder (metrics, logs, traces) into a URL run root."""
     from titan_core.build import local_side_folder
 
-    cfg = load_config(config_url)
     if not storage.is_url(cfg.job.dump_folder):
         return []  # the ranks wrote straight into the run root
     side = local_side_folder(cfg.job.dump_folder)

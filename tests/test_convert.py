@@ -762,6 +762,7 @@ def test_convert_section_drives_the_export(job: dict[str, Any], tmp_path: Path) 
     """[convert] in the job's config decides dtype and sharding; --convert.x overrides it; the
     pipeline's export stage reads the same keys (from the run's config, plus overrides)."""
     from titan_core.pipeline.stages.export import export_checkpoint
+    from titan_core.resolve import resolve_job
 
     text = (job["dump"] / "config.toml").read_text()
     assert '[convert]\ndtype = "bfloat16"\nmax_shard_size = "5GB"' in text  # saved by training
@@ -779,12 +780,12 @@ def test_convert_section_drives_the_export(job: dict[str, Any], tmp_path: Path) 
     assert single.name == "model-00001-of-00001.safetensors"
     assert all(t.dtype == torch.bfloat16 for t in hf_tensors(tmp_path / "b").values())
     values = {"convert.dtype": "float32", "convert.max_shard_size": str(SHARD)}
-    export = export_checkpoint(str(job["step"]), str(job["dump"] / "config.toml"),
-                               str(tmp_path / "c"), overrides=values)  # fmt: skip
+    saved = resolve_job("", str(job["dump"] / "config.toml"))
+    export = export_checkpoint(str(job["step"]), saved, str(tmp_path / "c"), overrides=values)
     assert export.num_shards == len(shards) and not export.kept
     assert_bitwise(hf_tensors(tmp_path / "c"), hf_tensors(tmp_path / "a"))
     with pytest.raises(ConfigError, match=r"^convert\.dtype: expected one of"):
-        export_checkpoint(str(job["step"]), str(config), str(tmp_path / "d"),
+        export_checkpoint(str(job["step"]), resolve_job("", str(config)), str(tmp_path / "d"),
                           overrides={"convert.dtype": "fp8"})  # fmt: skip
     assert not (tmp_path / "d").exists()
 

@@ -199,6 +199,7 @@ def test_evaluate_section_drives_eval(run_dir: Path, tmp_path: Path) -> None:
     """[evaluate] in the job's config decides batches, prompts and sample length; --evaluate.x
     overrides it; the pipeline's evaluate stage reads the same keys (plus overrides)."""
     from titan_core.pipeline.stages.evaluation import evaluate_stage
+    from titan_core.resolve import resolve_job
 
     saved = tomllib.loads((run_dir / "config.toml").read_text())
     assert saved["evaluate"]["batches"] == 20  # training saved the section with the run
@@ -214,8 +215,8 @@ def test_evaluate_section_drives_eval(run_dir: Path, tmp_path: Path) -> None:
     assert eval_main([*argv, "--output", str(tmp_path / "b"), "--evaluate.batches", "1"]) == 0
     report = json.loads((tmp_path / "b" / "eval" / "report.json").read_text())
     assert report["metrics"]["num_batches"] == 1 and len(report["samples"]) == 1
-    result = evaluate_stage(str(run_dir / "checkpoint"), str(job), str(tmp_path / "c"),
-                            overrides={"evaluate.prompts": []})  # fmt: skip
+    result = evaluate_stage(str(run_dir / "checkpoint"), resolve_job("", str(job)),
+                            str(tmp_path / "c"), overrides={"evaluate.prompts": []})  # fmt: skip
     report = json.loads(Path(result.report_url).read_text())
     assert report["metrics"]["num_batches"] == 2 and report["samples"] == []
 

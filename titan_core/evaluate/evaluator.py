@@ -183,10 +183,14 @@ def lm_eval_options(cfg: JobConfig, hf_folder: str = "") -> LmEvalOptions | None
 
 
 def _check_inputs(
-    checkpoint: str, config_argv: Sequence[str], values: Mapping[str, Any], hf_folder: str
+    checkpoint: str,
+    config_argv: Sequence[str],
+    values: Mapping[str, Any],
+    hf_folder: str,
+    config: JobConfig | None = None,
 ) -> _Inputs:
     ckpt = resolve_checkpoint(checkpoint)
-    cfg = resolve_config(ckpt, list(config_argv))
+    cfg = config if config is not None else resolve_config(ckpt, list(config_argv))
     if values:
         cfg = apply_values(cfg, values)
     lm_eval = lm_eval_options(cfg, hf_folder)
@@ -263,15 +267,17 @@ def evaluate_checkpoint(
     values: Mapping[str, Any] | None = None,
     output: str | None = None,
     hf_folder: str = "",
+    config: JobConfig | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``checkpoint`` as its job config's ``[evaluate]`` says and write
     ``<output>/eval/report.{json,md}`` (default output: the run root); returns the report.
 
-    The config is resolved from ``config_argv`` (see ``resolve_config``), then the dotted-key
-    ``values`` are set (e.g. ``{"evaluate.batches": 2}``); lm-eval runs on ``hf_folder``
-    (default ``<run>/hf``). Every input is checked before the model is built."""
+    The config is ``config`` when given (a resolved job config, e.g. the pipeline's), else
+    resolved from ``config_argv`` (see ``resolve_config``); then the dotted-key ``values`` are
+    set (e.g. ``{"evaluate.batches": 2}``); lm-eval runs on ``hf_folder`` (default
+    ``<run>/hf``). Every input is checked before the model is built."""
     start = time.perf_counter()
-    inputs = _check_inputs(checkpoint, config_argv, values or {}, hf_folder)
+    inputs = _check_inputs(checkpoint, config_argv, values or {}, hf_folder, config)
     cfg = inputs.cfg
     if cfg.debug.num_threads:
         torch.set_num_threads(cfg.debug.num_threads)

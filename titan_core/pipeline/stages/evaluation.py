@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_core import storage
+from titan_core.config.job import JobConfig
 from titan_core.pipeline.run.common import redact
 from titan_core.pipeline.run.tracking import TrackingContext, client, log_metrics, stage_run
 
@@ -51,22 +52,21 @@ def checkpoint_run_root(checkpoint_url: str) -> str:
 
 def evaluate_stage(
     checkpoint_url: str,
-    config_url: str = "",
+    job: JobConfig | None = None,
     output: str = "",
     tracking: TrackingContext | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> Evaluation:
-    """Evaluate ``checkpoint_url`` as the job config's ``[evaluate]`` section says (the run's
-    ``config.toml`` unless ``config_url``; ``overrides``, dotted keys, apply on top) and write
+    """Evaluate ``checkpoint_url`` as the job config's ``[evaluate]`` section says (``job``, else
+    the checkpoint run's ``config.toml``; ``overrides``, dotted keys, apply on top) and write
     ``<output>/eval/report.{json,md}`` (default output: the checkpoint's run root); with
     ``tracking``, as an ``evaluate`` stage run with the ``eval/*`` metrics and the report."""
     from titan_core.evaluate import evaluate_checkpoint
     from titan_core.evaluate.report import EVAL_DIR
 
-    config_argv = ["--job.config_file", config_url] if config_url else []
     with stage_run(tracking, "evaluate") as run_id:
         report = evaluate_checkpoint(
-            checkpoint_url, config_argv=config_argv, values=overrides, output=output or None
+            checkpoint_url, config=job, values=overrides, output=output or None
         )
         metrics = {k: report["metrics"][k] for k in EVAL_METRICS}
         log_metrics(tracking, run_id, {f"eval/{k}": v for k, v in metrics.items()})

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_core import storage
-from titan_core.pipeline.run.common import load_config
+from titan_core.config.job import JobConfig
 from titan_core.pipeline.run.tracking import TrackingContext, log_metrics, stage_run
 
 HF_DIR = "hf"
@@ -35,21 +35,21 @@ def is_exported(output: str) -> bool:
 
 def export_checkpoint(
     checkpoint_url: str,
-    config_url: str,
+    job: JobConfig,
     output: str = "",
     tracking: TrackingContext | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> HfExport:
     """Export ``checkpoint_url`` (safetensors, config, tokenizer) to ``output`` (default
     ``<run>/hf``) as the config's ``[convert]`` section says, as a ``convert`` stage run; an
-    existing complete export is kept. ``overrides`` (dotted keys) apply onto the config."""
+    existing complete export is kept. ``overrides`` (dotted keys) apply onto ``job``."""
     from titan_core.build import build_model_args
     from titan_core.config.job import parse_size
     from titan_core.config.schema import apply_values
     from titan_core.convert.dcp_to_hf import dcp_to_hf
     from titan_core.data import Tokenizer, default_tokenizer_path
 
-    cfg = apply_values(load_config(config_url), overrides or {})
+    cfg = apply_values(job, overrides or {})
     output = output or storage.join(cfg.job.dump_folder, HF_DIR)
     if is_exported(output):
         return HfExport(output, 0, kept=True)

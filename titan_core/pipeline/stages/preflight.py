@@ -11,15 +11,13 @@ against ``launch.device_memory_gib`` (or the GPU's capacity). Only then is the r
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.errors import ConfigError
-from titan_core.pipeline.run.common import Logger, load_config, titan_logger
+from titan_core.pipeline.run.common import Logger, titan_logger
 
 _GIB = 2**30
 
@@ -42,15 +40,13 @@ class Preflight:
     """Estimated training FLOPs of one step on one rank."""
     model_args: dict[str, Any]
     """The model's arguments as plain data: what the seed checkpoint's weights depend on."""
+    config: JobConfig = field(repr=False, compare=False)
+    """The config the ranks run, auto values resolved (stored at ``config_url``): the later
+    stages take it from here instead of reading ``config_url`` back."""
 
-
-def parse_config_text(config_toml: str) -> JobConfig:
-    """Validate a TOML config text exactly as the trainer will read it."""
-    with tempfile.TemporaryDirectory(prefix="titan-preflight-") as tmp:
-        path = os.path.join(tmp, "config.toml")
-        with open(path, "w") as f:
-            f.write(config_toml)
-        return load_config(path)
+    def summary(self) -> dict[str, Any]:
+        """What preflight found, as plain data (the config aside: it is at ``config_url``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
 
 
 def device_memory_bytes(cfg: JobConfig) -> int:
@@ -121,13 +117,14 @@ def preflight_checks(parsed: JobConfig, logger: Logger | None = None) -> tuple[J
     return cfg, est
 
 
-def run_preflight(config_toml: str, config_url: str, logger: Logger | None = None) -> Preflight:
-    """Validate the config text at its world size (``preflight_checks``, reporting to
-    ``logger``), then store it at ``config_url`` with its auto values resolved: the config the
-    ranks load."""
-    from titan_core.config.schema import to_toml
+def run_preflight(job: JobConfig, config_url: str, logger: Logger | None = None) -> Preflight:
+    """Validate the run's config at its world size (every field and section again, then
+    ``preflight_checks``, reporting to ``logger``), then store it at ``config_url`` with its
+    auto values resolved: the config the ranks load, returned as ``Preflight.config``."""
+    from titan_core.config.schema import to_toml, validate
 
-    parsed = parse_config_text(config_toml)
+    validate(job)  # the run's settings were set with dataclasses.replace: check them all
+    parsed = job
     world_size = parsed.launch.nnodes * parsed.launch.nproc_per_node
     cfg, est = preflight_checks(parsed, logger)
     if cfg.dataloader.dataset == "titan_corpus":
@@ -143,4 +140,5 @@ def run_preflight(config_toml: str, config_url: str, logger: Logger | None = Non
         peak_memory_gib=est.memory.peak / _GIB,
         flops_per_step=est.flops.total_flops,
         model_args=dataclasses.asdict(est.layout.model_args),
+        config=cfg,
     )

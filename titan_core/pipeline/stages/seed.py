@@ -15,7 +15,6 @@ from typing import Any
 from titan_core import storage
 from titan_core.checkpoint.manager import read_marker
 from titan_core.config.job import ActivationCheckpoint, Compile, JobConfig, Parallelism
-from titan_core.pipeline.run.common import load_config
 from titan_core.pipeline.run.paths import SEED_DIR, storage_identity
 from titan_core.pipeline.run.transfer import refresh
 
@@ -50,11 +49,11 @@ def seed_config(cfg: JobConfig) -> JobConfig:
     )
 
 
-def write_seed_checkpoint(config_url: str) -> str:
-    """Write ``<run>/checkpoint/seed`` for the run's stored config (one process); its URL."""
+def write_seed_checkpoint(job: JobConfig) -> str:
+    """Write ``<run>/checkpoint/seed`` for the run's config (one process); its URL."""
     from titan_core.train import run
 
-    cfg = seed_config(load_config(config_url))
+    cfg = seed_config(job)
     seed_url = storage.join(cfg.job.dump_folder, SEED_DIR)
     run(cfg)
     refresh(seed_url)
