@@ -681,6 +681,15 @@ def test_a_config_saved_before_the_dataloader_section_loads_under_the_new_keys(
     )
     warnings = {r.getMessage() for r in caplog.records if r.levelname == "WARNING"}
     assert warnings == {f"{path}: old keys read as their new names: {read}"}
+    # Every other key of the file loads unchanged (only job.config_file names the file now).
+    from titan_core.config.schema import flatten_tables
+
+    in_file = flatten_tables(tomllib.loads(Path(path).read_text()))
+    old = {f"training.{old}" for old, _ in OLD_DATALOADER_KEYS.values()}
+    loaded = flatten(cfg)
+    kept = {k: v for k, v in in_file.items() if k not in old and k != "job.config_file"}
+    assert kept and {k: loaded[k] for k in kept} == kept
+    assert len(in_file) == len(loaded)  # every key of the release is in the file, and back
     # What `titan train` saves now lists them under the new keys only.
     saved = tomllib.loads(to_toml(cfg))
     assert saved["dataloader"]["path"] == "/data/corpus.jsonl"
