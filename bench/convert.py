@@ -29,7 +29,8 @@ time), which contention barely moves; the CPU-time ratio is what the wall-time r
 when both steps get the CPU alike. The last line is the conversion/copytree throughput ratio of
 the wall-time medians (goal >= 0.5).
 
-    .venv/bin/python bench/convert.py [--rounds 3] [--layers 12] [--shard-mb 50]
+    .venv/bin/python bench/convert.py [--rounds 3] [--layers 12] [--shard-mb 50] [--vocab 32000]
+                                      [--quick]
 """
 
 from __future__ import annotations
@@ -46,20 +47,22 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import add_quick, final_line
+
 _CHILD_FLAG = "--child"
 _BUILD_FLAG = "--build"
 
 
-def _model_args(layers: int) -> object:
+def _model_args(layers: int, vocab: int) -> object:
     from titan_core.models import get_flavor
 
     args = get_flavor("llama3", "debugmodel")
     args.dim, args.n_layers, args.n_heads, args.n_kv_heads = 512, layers, 16, 4
-    args.vocab_size = 32000
+    args.vocab_size = vocab
     return args
 
 
-def build_checkpoint(path: Path, layers: int) -> None:
+def build_checkpoint(path: Path, layers: int, vocab: int) -> None:
     """Save a randomly initialized model as a committed model-only DCP checkpoint."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -69,7 +72,7 @@ def build_checkpoint(path: Path, layers: int) -> None:
 
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = Transformer(_model_args(layers))
+        model = Transformer(_model_args(layers, vocab))
     model.to_empty(device="cpu")
     model.init_weights()
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)
@@ -95,12 +98,14 @@ def timed(fn: object, *args: object) -> dict[str, float]:
     return {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu}
 
 
-def child(checkpoint: str, output: str, layers: int, dtype: str, shard_bytes: int) -> None:
+def child(
+    checkpoint: str, output: str, layers: int, vocab: int, dtype: str, shard_bytes: int
+) -> None:
     """Convert in this fresh process; print start-up, wall and CPU seconds, peak RSS as JSON."""
     from titan_core.checkpoint.hf_weights import expected_shapes
     from titan_core.convert.dcp_to_hf import dcp_to_hf
 
-    args = _model_args(layers)
+    args = _model_args(layers, vocab)
     start = time.perf_counter()
     expected_shapes(args)  # first meta-device model of the process: loads torch's meta kernels
     startup = time.perf_counter() - start
@@ -112,10 +117,12 @@ def child(checkpoint: str, output: str, layers: int, dtype: str, shard_bytes: in
     print(json.dumps(report))
 
 
-def convert_round(ckpt: Path, out: Path, layers: int, dtype: str, shard_bytes: int) -> dict:
+def convert_round(
+    ckpt: Path, out: Path, a: argparse.Namespace, dtype: str, shard_bytes: int
+) -> dict:
     """Run ``child`` in a subprocess and return its report."""
-    cmd = [sys.executable, __file__, _CHILD_FLAG, str(ckpt), str(out), str(layers), dtype,
-           str(shard_bytes)]  # fmt: skip
+    cmd = [sys.executable, __file__, _CHILD_FLAG, str(ckpt), str(out), str(a.layers), str(a.vocab),
+           dtype, str(shard_bytes)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -126,11 +133,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--shard-mb", type=int, default=50)
+    p.add_argument("--vocab", type=int, default=32000)
+    add_quick(p)
     a = p.parse_args()
+    if a.quick:
+        a.rounds, a.layers, a.shard_mb, a.vocab = 1, 1, 1, 2048
     shard = a.shard_mb * 10**6
     with tempfile.TemporaryDirectory(prefix="titan-bench-convert-") as tmp:
         root = Path(tmp)
-        build = [sys.executable, __file__, _BUILD_FLAG, str(root / "ckpt"), str(a.layers)]
+        build = [sys.executable, __file__, _BUILD_FLAG, str(root / "ckpt"), str(a.layers),
+                 str(a.vocab)]  # fmt: skip
         subprocess.run(build, check=True, capture_output=True)  # torch stays out of this process
         nbytes = sum(f.stat().st_size for f in (root / "ckpt").iterdir())
         rows: dict[str, list[dict]] = {}
@@ -153,7 +165,7 @@ def main() -> None:
             ):
                 out = root / f"hf-{i}"
                 rows.setdefault(label, []).append(
-                    convert_round(root / "ckpt", out, a.layers, dtype, shard_bytes)
+                    convert_round(root / "ckpt", out, a, dtype, shard_bytes)
                 )
             print(
                 f"round {r}: " + ", ".join(f"{k} {v[-1]['seconds']:.3f}s" for k, v in rows.items())
@@ -164,8 +176,8 @@ def main() -> None:
 def _report(rows: dict[str, list[dict]], nbytes: int, a: argparse.Namespace) -> None:
     mb = nbytes / 1e6
     speed = {k: mb / statistics.median(r["seconds"] for r in v) for k, v in rows.items()}
-    largest = 32000 * 512 * 4 / 1e6  # the embedding and output tables
-    print(f"\ncheckpoint: {mb:.0f} MB fp32 (dim 512, {a.layers} layers, vocab 32000), largest")
+    largest = a.vocab * 512 * 4 / 1e6  # the embedding and output tables
+    print(f"\ncheckpoint: {mb:.0f} MB fp32 (dim 512, {a.layers} layers, vocab {a.vocab}), largest")
     print(f"tensor {largest:.0f} MB; medians of {a.rounds} rounds")
     head = "| step                         |  MB/s | seconds | CPU s | start-up s | peak RSS MB "
     print(head + "| (+ MB) |")
@@ -198,14 +210,14 @@ def _report(rows: dict[str, list[dict]], nbytes: int, a: argparse.Namespace) -> 
         "tends to when the two get the CPU alike)"
     )
     print(f"ratio dcp-to-hf/buffered copy: {speed[fp32] / speed['buffered copy']:.3f}")
-    print(f"ratio dcp-to-hf/copytree: {speed[fp32] / speed['copytree']:.3f} (goal >= 0.5)")
+    final_line("ratio dcp-to-hf/copytree", f"{speed[fp32] / speed['copytree']:.3f}", ">= 0.5")
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == _CHILD_FLAG:
-        ckpt, out, layers, dtype, shard = sys.argv[2:7]
-        child(ckpt, out, int(layers), dtype, int(shard))
+        ckpt, out, layers, vocab, dtype, shard = sys.argv[2:8]
+        child(ckpt, out, int(layers), int(vocab), dtype, int(shard))
     elif len(sys.argv) > 1 and sys.argv[1] == _BUILD_FLAG:
-        build_checkpoint(Path(sys.argv[2]), int(sys.argv[3]))
+        build_checkpoint(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     else:
         main()

@@ -19,6 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _common import add_quick, final_line
+
+GOAL = 0.8  # weak-scaling efficiency at the most processes the cores hold, one thread each
+
 
 def run(nproc: int, args: argparse.Namespace, dump: Path) -> float:
     """Total tokens/s (all ranks) of one FSDP run: median of the logged steps after warm-up."""
@@ -68,7 +72,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--flavor", default="debugmodel")
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.procs, args.steps, args.warmup, args.batch, args.seq_len = [1, 2], 4, 1, 2, 64
+        args.flavor = "debugmodel_tiny"
     results: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for nproc in args.procs:
@@ -82,6 +90,11 @@ def main() -> None:
     for nproc, tps in results.items():
         speedup = tps / base
         print(f"{nproc:>5} {tps:>10,.0f} {speedup:>9.2f} {speedup / nproc:>10.0%}")
+    cores = os.cpu_count() or 1
+    fits = [n for n in args.procs if n * args.threads <= cores] or args.procs[:1]
+    n = max(fits)
+    efficiency = results[n] / (base * n)
+    final_line(f"efficiency at {n} processes ({cores} cores)", f"{efficiency:.2f}", f">= {GOAL}")
 
 
 if __name__ == "__main__":

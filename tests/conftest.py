@@ -26,12 +26,12 @@ def assets() -> Path:
 # Imported here, not at the top, so that this section stays self-contained.
 from collections.abc import Iterator  # noqa: E402
 
-from s3_server import S3Server, start_s3_server  # noqa: E402
+from titan_core.testing.s3 import S3Server, start_s3_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """A running S3 endpoint with enforced credentials and a bucket (see tests/s3_server.py).
+    """A running S3 endpoint with enforced credentials and a bucket (see titan_core/testing/s3.py).
 
     Yields an ``S3Server``: ``endpoint_url``, ``access_key``, ``secret_key``, ``bucket``,
     ``url(*parts)``, ``filesystem()`` and ``set_env(monkeypatch)`` for a test's AWS_* variables.

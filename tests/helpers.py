@@ -4,38 +4,19 @@ model configs. One copy here; test modules and fixtures import them (tests/ is o
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from titan_core.testing.ports import free_port, free_ports  # noqa: F401  (re-exported)
+
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
 
 # The tiny debug Llama: seconds of CPU per step on gloo.
 TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports the kernel reports free now (all held open until every one is
-    picked, so they differ)."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    return free_ports(1, host)[0]
 
 
 def wait_until(

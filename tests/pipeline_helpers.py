@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-from helpers import free_ports
-from s3_server import (
-    _PORT_FLAGS,
-    S3Server,
-    _command,
-    _write_identities,
-)
 
 
 def tiny_overrides(*, steps: int, nproc: int, interval: int = 2) -> list[str]:
@@ -114,77 +103,3 @@ def flow_run(flow_run_id: Any) -> Any:
 def unique_prefix(name: str) -> str:
     """A fresh key prefix, so tests sharing the session's bucket never collide."""
     return f"{name}-{uuid.uuid4().hex[:8]}"
-
-
-@dataclass
-class RestartableS3:
-    """A ``weed mini`` that can be stopped and started again on the same ports and data."""
-
-    workdir: Path
-    ports: dict[str, int]
-    server: S3Server
-
-    def start(self) -> None:
-        """(Re)start the server process and wait until it serves the bucket."""
-        import subprocess
-
-        log = self.workdir / "weed-restart.log"
-        with open(log, "ab") as out:
-            self.server.process = subprocess.Popen(
-                _command(self.workdir, self.ports, self.workdir / "identities.json"),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-                # weed takes AWS_* credentials from its environment as an extra identity.
-                env={
-                    **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
-                    "GOMEMLIMIT": "300MiB",
-                },
-                start_new_session=True,
-            )
-        self.server._stopped = False
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        """Poll until the bucket can be listed (created on the first start)."""
-        deadline = time.monotonic() + 60
-        while True:
-            if self.server.process.poll() is not None:
-                raise RuntimeError(f"weed mini exited with {self.server.process.returncode}")
-            try:
-                fs = self.server.filesystem()
-                if not fs.exists(self.server.bucket):
-                    fs.mkdir(self.server.bucket)
-                fs.ls(self.server.bucket)
-                return
-            except Exception:  # not up yet: connection refused, 503 while volumes start
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        """Kill the server (its data stays on disk)."""
-        self.server.stop()
-
-
-def start_restartable_s3(workdir: Path, bucket: str = "restart-test") -> RestartableS3:
-    """A fresh S3 server whose ``stop()``/``start()`` keep its endpoint, credentials and data."""
-    import secrets
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    admin = ("titan_admin", secrets.token_hex(16))
-    _write_identities(workdir / "identities.json", admin, ("titan_reader", secrets.token_hex(16)))
-    ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
-    server = S3Server(
-        endpoint_url=f"http://127.0.0.1:{ports['s3.port']}",
-        access_key=admin[0],
-        secret_key=admin[1],
-        read_only_access_key="",
-        read_only_secret_key="",
-        bucket=bucket,
-        process=None,  # type: ignore[arg-type]
-        log_path=workdir / "weed-restart.log",
-    )
-    s3 = RestartableS3(workdir, ports, server)
-    s3.start()
-    return s3

@@ -27,7 +27,13 @@ PACKAGES = ("titan_core", "tasks", "flows")
 
 # Module-name prefixes by layer, bottom first; the longest matching prefix decides.
 LAYERS: list[tuple[str, ...]] = [
-    ("titan_core", "titan_core.errors", "titan_core.logging", "titan_core.storage"),
+    (
+        "titan_core",
+        "titan_core.errors",
+        "titan_core.logging",
+        "titan_core.storage",
+        "titan_core.testing",  # servers that tests and bench/ share; the engine never imports it
+    ),
     ("titan_core.config",),
     ("titan_core.models", "titan_core.distributed", "titan_core.data"),
     ("titan_core.checkpoint", "titan_core.components", "titan_core.stop_request"),
@@ -214,6 +220,17 @@ def test_engine_never_names_the_pipeline_layers(graph: dict[str, Module]) -> Non
         if m.strings and name.startswith("titan_core") and layer(name) < layer("titan_core.cli")
     }
     assert not naming, f"titan_core modules naming flows/tasks: {naming}"
+
+
+def test_the_engine_never_imports_the_testing_servers(graph: dict[str, Module]) -> None:
+    """``titan_core.testing`` serves tests and benchmarks; a run never starts a test server."""
+    importers = sorted(
+        name
+        for name, m in graph.items()
+        if not name.startswith("titan_core.testing")
+        and any(i == "titan_core.testing" or i.startswith("titan_core.testing.") for i in m.imports)
+    )
+    assert not importers, f"modules importing titan_core.testing: {importers}"
 
 
 def test_a_family_is_imported_only_by_itself(graph: dict[str, Module]) -> None:

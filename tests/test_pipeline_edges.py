@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from helpers import free_port
-from pipeline_helpers import run_flow, start_restartable_s3, task_runs, tiny_overrides, tiny_values
+from pipeline_helpers import run_flow, task_runs, tiny_overrides, tiny_values
 
 from titan_core.checkpoint.manager import complete_steps
 from titan_core.errors import ConfigError
@@ -24,31 +24,32 @@ def test_upload_is_retried_across_an_s3_restart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from titan_core.pipeline.run.transfer import upload_folder
+    from titan_core.testing.s3 import start_s3_server
 
-    s3 = start_restartable_s3(tmp_path / "s3")
+    s3 = start_s3_server(tmp_path / "s3", bucket="restart-test")  # its own: it is killed
     try:
-        s3.server.set_env(monkeypatch)
+        s3.set_env(monkeypatch)
         local = tmp_path / "side"
         payloads = {f"part-{i}.bin": os.urandom(200_000) for i in range(5)}
         for name, data in payloads.items():
             (local / "logs").mkdir(parents=True, exist_ok=True)
             (local / "logs" / name).write_bytes(data)
-        first_pid = s3.server.process.pid
+        first_pid = s3.process.pid
         restarts: list[threading.Thread] = []
 
         def restart_after_first_file(url: str) -> None:
             if not restarts:  # kill the server mid-upload; it comes back on its own
                 s3.stop()
-                restarts.append(threading.Thread(target=s3.start))
+                restarts.append(threading.Thread(target=s3.restart))
                 restarts[0].start()
 
-        urls = upload_folder(str(local), s3.server.url("run"), on_file=restart_after_first_file)
+        urls = upload_folder(str(local), s3.url("run"), on_file=restart_after_first_file)
         restarts[0].join()
-        assert s3.server.process.pid != first_pid
+        assert s3.process.pid != first_pid
         assert len(urls) == len(payloads)
-        fs = s3.server.filesystem()
+        fs = s3.filesystem()
         for name, data in payloads.items():
-            assert fs.cat(f"{s3.server.bucket}/run/logs/{name}") == data
+            assert fs.cat(f"{s3.bucket}/run/logs/{name}") == data
     finally:
         s3.stop()
 

@@ -357,9 +357,8 @@ def test_training_from_s3_reads_ranges(
     assert _shard_bytes_fetched(requests) < size / 20, size
     assert not [t for t in threading.enumerate() if t.name == "titan-data-prefetch"]
     # Credentials are enforced: a wrong secret is one line before anything trains.
-    from s3_server import clear_fsspec_s3_cache
-
     from titan_core.build import check_job
+    from titan_core.testing.s3 import clear_fsspec_s3_cache
 
     s3_server.set_env(monkeypatch, secret_key="wrong-secret")
     clear_fsspec_s3_cache()

