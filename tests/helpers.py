@@ -15,6 +15,17 @@ from titan_core.testing.ports import free_port, free_ports  # noqa: F401  (re-ex
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
 
+# Config keys added after the house's snapshots (tests/data/*_before_house.*): new options,
+# not changed ones, each with the issue that added it.
+ADDED_KEYS = {  # issue 22: the step guard ([health]) and fault drills
+    *(f"health.{name}" for name in ("enable", "nonfinite", "spike", "spike_window")),
+    *(f"health.{name}" for name in ("spike_threshold", "max_consecutive", "max_rollbacks")),
+    *(f"health.{name}" for name in ("rollback_window", "rollback_lr_factor", "rollback_lr_steps")),
+    "debug.inject",
+    "debug.drill",
+    "dataloader.exclude",  # issue 22: what a rollback skips, to reproduce it
+}
+
 # The tiny debug Llama: seconds of CPU per step on gloo.
 TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
 

@@ -17,7 +17,7 @@ import torch
 
 from titan_core import storage
 from titan_core.checkpoint.manager import checkpoint_model
-from titan_core.config.job import JobConfig, parse_mix
+from titan_core.config.job import JobConfig, parse_injections, parse_mix
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.distributed import simulation
 from titan_core.distributed import utils as dist_utils
@@ -152,11 +152,12 @@ def check_prepared_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int = 1
     t, d = cfg.training, cfg.dataloader
     mix = [url for url, _ in parse_mix(d.mix)]
     train = mix or [loc for loc in [d.location] if shards.is_prepared(loc)]
-    if d.document_masking and not train:
-        raise ConfigError(
-            f"dataloader.document_masking: needs a prepared dataset (titan data prepare), got "
-            f"{d.location!r}"
-        )
+    for key, on in (("document_masking", d.document_masking), ("exclude", bool(d.exclude))):
+        if on and not train:
+            raise ConfigError(
+                f"dataloader.{key}: needs a prepared dataset (titan data prepare), got "
+                f"{d.location!r}"
+            )
     todo = [(url, "train") for url in train]
     if cfg.validation.enable:
         data = validation_data(cfg)
@@ -196,6 +197,12 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
             "dataloader.document_masking: not supported with pipeline or context parallelism yet "
             "(parallelism.pipeline_parallel_degree and context_parallel_degree must be 1)"
         )
+    for kind, step, rank in parse_injections(cfg.debug.inject):
+        if rank >= world_size:
+            raise ConfigError(
+                f"debug.inject: {kind}:{step}:{rank} names rank {rank}, but the job has ranks "
+                f"0..{world_size - 1}"
+            )
     tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
     check_prepared_data(cfg, tokenizer, parallel_dims.dp_degree)
     model_args = build_model_args(cfg, tokenizer.n_words)

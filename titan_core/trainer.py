@@ -20,8 +20,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_core import storage
 from titan_core.build import build_model_parts, check_job, local_side_folder, resolved_config
-from titan_core.checkpoint.manager import CheckpointManager
+from titan_core.checkpoint.manager import CheckpointManager, complete_steps, read_marker
 from titan_core.checkpoint.states import ModelState, TrainState
+from titan_core.components.health import HealthGuard, HealthStop, inject_faults
 from titan_core.components.loss import cross_entropy_loss
 from titan_core.components.lr_scheduler import LRSchedulerState, build_lr_scheduler
 from titan_core.components.metrics import (
@@ -39,7 +40,7 @@ from titan_core.components.optimizer import OptimizerState, build_optimizer
 from titan_core.components.profiling import MemoryProfiler, maybe_enable_profiling
 from titan_core.components.validate import Validator, validation_data, validation_dataloader
 from titan_core.config.dtypes import autocast_dtype, compute_dtype
-from titan_core.config.job import Dataloader, JobConfig
+from titan_core.config.job import Dataloader, JobConfig, parse_injections
 from titan_core.config.schema import to_toml
 from titan_core.data import PreparedDataloader, build_dataloader
 from titan_core.distributed import flight_recorder
@@ -104,6 +105,13 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.train_state = TrainState(rank=self.dist.rank)
+        self.guard = self._build_guard()
+        self._rollbacks: list[int] = []  # steps at which the guard rolled back
+        self._damped_until = 0  # the last step of a rollback's learning-rate damping
+        self.injections = [
+            (kind, step) for kind, step, rank in parse_injections(cfg.debug.inject)
+            if rank == self.dist.rank
+        ]  # fmt: skip
         self.checkpointer = CheckpointManager(
             cfg.checkpoint,
             cfg.job.dump_folder,
@@ -172,6 +180,109 @@ class Trainer:
         if self.parallel_dims.dp_enabled or self.parallel_dims.cp_enabled:
             return self.parallel_dims.dp_cp_mesh.get_group()
         return None
+
+    def _build_guard(self) -> HealthGuard | None:
+        """The step guard (``[health]``), when on; its loss is the global mean, so the log line
+        needs no second all-reduce."""
+        if not self.cfg.health.enable:
+            return None
+        pp = self.parallel_dims.pp if self.pipeline is not None else 1
+        return HealthGuard(
+            self.cfg.health,
+            device=self.device,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            loss_scale=pp / self.dist.world_size,
+            min_history=self.cfg.lr_scheduler.warmup_steps,
+            folder=self.side_folder,
+            is_rank0=self.dist.is_rank0,
+        )
+
+    def _guard_point(
+        self, step: int, final: bool, data_iter: Any
+    ) -> tuple[dict[str, float], Any | None]:
+        """Where the host reads the guard (log, save and last steps, and when its records are
+        full): report, stop (``HealthStop``) or roll back; and the next save's health mark.
+        Returns the guard's metrics and, after a rollback, the data iterator to go on with."""
+        saving = self.checkpointer.should_save(step, final)
+        metrics: dict[str, float] = {}
+        guard = self.guard
+        if guard is not None and (self.metrics.should_log(step) or final or saving or guard.full):
+            try:
+                guard.flush()  # raises HealthStop when the policy says stop
+                if guard.rollback is not None:
+                    return {}, self._rollback(data_iter, step)
+            except HealthStop as e:
+                raise HealthStop(f"{e}; {self._newest_checkpoint()}") from None
+            metrics = guard.metrics()
+        if saving:  # weights checked too: an overflow to inf is no NaN loss yet
+            mark = guard.mark() if guard is not None else {"guard": False}
+            self.checkpointer.health = {"healthy": self._weights_finite(), **mark}
+        return metrics, None
+
+    def _rollback(self, data_iter: Any, step: int) -> Any:
+        """Roll back to the newest checkpoint before the guard's incident, keep the data
+        cursor where it is (the samples read since the checkpoint are skipped), and return the
+        data iterator to go on with. Raises ``HealthStop`` past ``health.max_rollbacks``."""
+        h, incident = self.cfg.health, self.guard.rollback
+        assert incident is not None
+        first = incident.line().split(" -> ")[0]
+        recent = [s for s in self._rollbacks if s > step - h.rollback_window]
+        if len(recent) >= h.max_rollbacks:
+            raise HealthStop(
+                f"{first}; {len(recent)} rollbacks within {h.rollback_window} steps "
+                f"(health.max_rollbacks = {h.max_rollbacks}): stopped"
+            )
+        self.checkpointer.wait()
+        steps = [s for s in complete_steps(self.checkpointer.folder) if s < incident.step]
+        if not steps and read_marker(self.checkpointer.seed_dir) is not None:
+            steps = [0]  # the seed checkpoint: the run's start
+        if not self.cfg.checkpoint.enable or not steps:
+            raise HealthStop(f"{first}; health: no checkpoint to roll back to: stopped")
+        if hasattr(data_iter, "close"):
+            data_iter.close()  # its prefetch thread stops; the loader's state is what it handed out
+        data_state = self.dataloader.state_dict()
+        target, model_only = self.checkpointer.load_step(steps[-1])
+        since = getattr(self.dataloader, "position", None)  # prepared data: the global order
+        self.dataloader.load_state_dict(data_state)
+        if model_only:  # the seed: the optimizer and the schedule start over too
+            self.optimizer.state.clear()
+            LRSchedulerState(self.lr_scheduler).load_state_dict({"last_epoch": target})
+        self.train_state.step = target
+        self.guard.reset()
+        self._rollbacks.append(step)
+        self._damped_until = target + h.rollback_lr_steps
+        skipped = ""
+        if since is not None:
+            until = self.dataloader.position
+            skipped = f"; samples {since}:{until} of the data order skipped (dataloader.exclude)"
+        line = f"health: step {step}: rolled back to step {target}{skipped}"
+        if h.rollback_lr_steps and h.rollback_lr_factor != 1:
+            line += f"; lr x {h.rollback_lr_factor:g} for {h.rollback_lr_steps} steps"
+        self.guard.record_rollback(
+            line, step, target, (since, until) if since is not None else None
+        )
+        return iter(self.dataloader)
+
+    def _weights_finite(self) -> bool:
+        """Whether every rank's parameters are all finite (for a save without the guard)."""
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self._params]
+        ok = torch.stack([torch.isfinite(p.detach()).all() for p in local]).all().float()
+        if self.dist.world_size > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
+
+    def _lr_factor(self, step: int) -> float:
+        """The learning-rate damping after a rollback (1.0 outside it)."""
+        return self.cfg.health.rollback_lr_factor if step <= self._damped_until else 1.0
+
+    def _newest_checkpoint(self) -> str:
+        """Where a stopped run's healthy state is, for the guard's stop line."""
+        self.checkpointer.wait()  # an async save in flight is of a step before the anomaly
+        steps = complete_steps(self.checkpointer.folder) if self.cfg.checkpoint.enable else []
+        if not steps:
+            return "no checkpoint of this run was saved"
+        return f"newest checkpoint (healthy): {self.checkpointer.step_dir(steps[-1])}"
 
     def _build_metrics(self) -> MetricsProcessor:
         cfg, side = self.cfg, self.side_folder
@@ -253,10 +364,14 @@ class Trainer:
         return loss.detach()
 
     def train_step(
-        self, batches: list[tuple[torch.Tensor, ...]]
+        self, batches: list[tuple[torch.Tensor, ...]], step: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``batches`` of (inputs, labels[, doc_ids]) (gradient
-        accumulation); returns detached (loss, grad_norm) without synchronizing the host."""
+        accumulation); returns detached (loss, grad_norm) without synchronizing the host.
+
+        With the guard on, the loss is the global mean (NaN when a rank's was not finite) and
+        the update is applied only when the guard passes it: the fused optimizer reads its
+        verdict as ``found_inf`` on the device; the other implementations read it on the host."""
         self.optimizer.zero_grad()
         # Each forward's aux-loss gradient gets its training loss's factor: 1 / accumulation
         # steps, and under PP also 1 / microbatches (PipelineRunner.step scales each one's loss).
@@ -267,11 +382,28 @@ class Trainer:
             loss = self._forward_backward(inputs, labels, 1.0 / len(batches), *doc_ids)
             # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
             loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
+        if due := [i for i in self.injections if i[1] == step]:  # a drill fires once
+            loss_sum = inject_faults(due, step, loss_sum, self._params)
+            self.injections = [i for i in self.injections if i[1] != step]
         grad_norm = dist_utils.clip_grad_norm_(
             self._params, self.cfg.training.max_norm, self._pp_group()
         )
+        apply = True
+        if self.guard is not None:
+            found_inf, loss_sum = self.guard.check(step, loss_sum, grad_norm)
+            if self.cfg.optimizer.implementation == "fused":
+                self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            else:
+                apply = not bool(found_inf.item())  # foreach / for-loop: no device-side skip
         self.checkpointer.wait_for_staging()  # a background save may still be copying weights
-        self.optimizer.step()
+        if apply:
+            factor = self._lr_factor(step)
+            scheduled = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] = g["lr"] * factor
+            self.optimizer.step()
+            for g, lr in zip(self.optimizer.param_groups, scheduled, strict=True):
+                g["lr"] = lr
         self.lr_scheduler.step()
         return loss_sum, grad_norm
 
@@ -288,7 +420,7 @@ class Trainer:
         return self.parallel_dims.mesh["pp"].get_group() if self.pipeline is not None else None
 
     def _reduce_for_log(self, loss: torch.Tensor) -> float:
-        if self.dist.world_size > 1:
+        if self.dist.world_size > 1 and self.guard is None:  # the guard's loss is global
             loss = loss.clone()
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
             if self.pipeline is not None:  # only the last stage's ranks (1 in pp) hold a loss
@@ -313,7 +445,7 @@ class Trainer:
         step's row for the history, if any."""
         row: dict[str, float] | None = None
         if self.metrics.should_log(step) or last:
-            lr = self.lr_scheduler.get_last_lr()[0]
+            lr = self.lr_scheduler.get_last_lr()[0] * self._lr_factor(step)  # damped: as applied
             row = {
                 "step": step,
                 **self.metrics.log(step, self._reduce_for_log(loss), grad_norm.item(), lr, extra),
@@ -374,7 +506,7 @@ class Trainer:
                     batches = self._next_batches(data_iter)
                     flight_recorder.maybe_inject_hang(step, self.dist.rank)
                     try:
-                        loss, grad_norm = self.train_step(batches)
+                        loss, grad_norm = self.train_step(batches, step)
                     except torch.OutOfMemoryError:
                         if mem_profiler:
                             mem_profiler.step(step, exit_=True)
@@ -392,10 +524,14 @@ class Trainer:
                     asked = not last and self.metrics.should_log(step)
                     stop_reason = self.stop_requests.check() if asked else None
                     final = last or stop_reason is not None
+                    health, rolled_back = self._guard_point(step, final, data_iter)
+                    if rolled_back is not None:  # on from the checkpoint's step
+                        data_iter = rolled_back
+                        continue
                     # MoE: loss-free bias update from the batch-wide expert counts (every
                     # step, when on) and the load metrics (on log steps).
                     moe = self.moe_stats.end_step(self.metrics.should_log(step) or final)
-                    if row := self._record(step, final, loss, grad_norm, moe):
+                    if row := self._record(step, final, loss, grad_norm, {**moe, **health}):
                         history.append(row)
                     self.checkpointer.save(step, last=last, stop=stop_reason is not None)
                     self.checkpointer.poll()

@@ -54,6 +54,21 @@ def read_marker(step_dir: str) -> dict[str, Any] | None:
     return json.loads(storage.read_text(path)) if storage.exists(path) else None
 
 
+def is_unhealthy(marker: dict[str, Any] | None) -> bool:
+    """Whether a commit marker says the checkpoint's weights are not finite (saved with the
+    step guard off: ``health.enable``; with it on, no such checkpoint is ever saved)."""
+    return ((marker or {}).get("health") or {}).get("healthy") is False
+
+
+def check_healthy(step_dir: str, marker: dict[str, Any] | None, key: str) -> None:
+    """Refuse (``CheckpointError``) a checkpoint marked unhealthy; ``key`` names the input."""
+    if is_unhealthy(marker):
+        raise CheckpointError(
+            f"{key}: {step_dir} holds non-finite weights (its commit marker says healthy: "
+            "false; it was saved with health.enable off); use an earlier checkpoint"
+        )
+
+
 def checkpoint_model(step_dir: str) -> tuple[str, Any] | None:
     """(family, model args) that a checkpoint's commit marker describes; None when there is no
     marker or it describes no model (checkpoints written before markers did)."""
@@ -91,6 +106,9 @@ class CheckpointManager:
         self.model_description: dict[str, Any] | None = None
         """``models.describe_model`` of the trained model, written into every commit marker
         (key ``model``) so that a checkpoint names its own model; set by the trainer."""
+        self.health: dict[str, Any] | None = None
+        """The step guard's mark for the next save (``{"healthy": true, ...}``, key ``health``
+        of the commit marker); set by the trainer after each read of the guard; None: no guard."""
         self._pg = None
         if cfg.enable and cfg.async_mode != "disabled" and world_size > 1:
             # Background saves must not share a process group with training collectives.
@@ -146,6 +164,15 @@ class CheckpointManager:
             return self._load_initial(self.cfg.initial_load_path)
         logger.info("No checkpoint in %s: starting from freshly initialized weights", self.folder)
         return 0
+
+    def load_step(self, step: int) -> tuple[int, bool]:
+        """Restore the complete checkpoint of ``step`` (0: the seed checkpoint), as a health
+        rollback does; returns (its step, whether it held the model only)."""
+        path = self.seed_dir if step == 0 else self.step_dir(step)
+        marker = read_marker(path)
+        if marker is None:
+            raise CheckpointError(f"{path}: not a complete checkpoint")
+        return self._load_dir(path), bool(marker["model_only"])
 
     def _load_initial(self, path: str) -> int:
         if self.cfg.initial_load_in_hf:
@@ -274,6 +301,8 @@ class CheckpointManager:
             marker: dict[str, Any] = {"step": step, "model_only": model_only, "time": time.time()}
             if self.model_description is not None:
                 marker["model"] = self.model_description
+            if self.health is not None and path != self.seed_dir:
+                marker["health"] = self.health
             storage.write_text_atomic(storage.join(path, COMMIT_MARKER), json.dumps(marker))
             if path != self.seed_dir:
                 self._purge(step)

@@ -7,6 +7,7 @@ functions and later Prefect/MLflow views are all projections of ``JobConfig``. U
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -173,8 +174,12 @@ class Dataloader:
     """Read-ahead cache per remote (non-local) shard reader, in MiB."""
     document_masking: bool = False
     """Prepared datasets: attention does not cross document boundaries inside a sample."""
+    exclude: list[str] = field(default_factory=list)
+    """Prepared datasets: ranges START:END of the global sample order to skip (a batch that
+    would start in one starts at END); what a health rollback skips, to reproduce it."""
 
     def __post_init__(self) -> None:
+        parse_ranges(self.exclude)
         _require(self.streams >= 0, "dataloader.streams", "an int >= 0", self.streams)
         _require(bool(self.dataset), "dataloader.dataset", "a dataset name or path", "")
         _require(self.prefetch >= 0, "dataloader.prefetch", ">= 0", self.prefetch)
@@ -185,6 +190,17 @@ class Dataloader:
     def location(self) -> str:
         """Where the dataset is read from: ``path`` when given, else ``dataset``."""
         return self.path or self.dataset
+
+
+def parse_ranges(entries: list[str], key: str = "dataloader.exclude") -> list[tuple[int, int]]:
+    """``START:END`` entries (0 <= START < END) as sorted (start, end) pairs."""
+    out = []
+    for entry in entries:
+        start, _, end = entry.partition(":")
+        ok = start.isdigit() and end.isdigit() and int(start) < int(end)
+        _require(ok, key, "START:END sample positions with 0 <= START < END", entry)
+        out.append((int(start), int(end)))
+    return sorted(out)
 
 
 def parse_mix(entries: list[str]) -> list[tuple[str, float]]:
@@ -255,8 +271,9 @@ class Optimizer:
     """Denominator epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay."""
-    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
-    """Kernel implementation: for-loop, foreach (default) or fused."""
+    implementation: Literal["for-loop", "foreach", "fused"] = "fused"
+    """Kernel implementation: fused (default: the step guard skips updates on the device), foreach
+    or for-loop (the guard reads its verdict on the host each step)."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "optimizer.lr", "> 0", self.lr)
@@ -542,6 +559,55 @@ class Metrics:
         _require(self.log_freq > 0, "metrics.log_freq", "an int > 0", self.log_freq)
 
 
+HealthPolicy = Literal["stop", "skip", "rollback"]
+
+
+@dataclass(kw_only=True)
+class Health:
+    """The guard on every step: non-finite values and spikes, and what to do about them."""
+
+    enable: bool = True
+    """Check every step's loss and gradient norm (on all ranks) before the optimizer steps."""
+    nonfinite: HealthPolicy = "skip"
+    """A NaN/inf loss or gradient norm: skip (the update is not applied), stop, or rollback (to
+    the newest checkpoint, past the samples read since)."""
+    spike: HealthPolicy = "skip"
+    """A loss or gradient norm above mean + spike_threshold x std of the window: skip, stop or
+    rollback."""
+    spike_window: int = 128
+    """Healthy steps in the rolling statistics; spikes are looked for once it is full."""
+    spike_threshold: float = 6.0
+    """Standard deviations above the window's mean that make a spike."""
+    max_consecutive: int = 5
+    """Stop after this many anomalous steps in a row (a persistent fault, not a transient one)."""
+    max_rollbacks: int = 3
+    """Stop instead of rolling back once this many rollbacks happened within rollback_window."""
+    rollback_window: int = 1000
+    """Steps over which rollbacks are counted for max_rollbacks."""
+    rollback_lr_factor: float = 1.0
+    """Learning-rate factor for the rollback_lr_steps steps after a rollback (1: no damping)."""
+    rollback_lr_steps: int = 0
+    """Steps after a rollback that train at rollback_lr_factor x the scheduled learning rate."""
+
+    def __post_init__(self) -> None:
+        _require(self.spike_window > 1, "health.spike_window", "an int > 1", self.spike_window)
+        _require(
+            self.spike_threshold > 0 and math.isfinite(self.spike_threshold),
+            "health.spike_threshold",
+            "a finite number > 0",
+            self.spike_threshold,
+        )
+        _require(self.max_consecutive > 0, "health.max_consecutive", "an int > 0",
+                 self.max_consecutive)  # fmt: skip
+        _require(self.max_rollbacks > 0, "health.max_rollbacks", "an int > 0", self.max_rollbacks)
+        _require(self.rollback_window > 0, "health.rollback_window", "an int > 0",
+                 self.rollback_window)  # fmt: skip
+        _require(0 < self.rollback_lr_factor <= 1, "health.rollback_lr_factor",
+                 "a number in (0, 1]", self.rollback_lr_factor)  # fmt: skip
+        _require(self.rollback_lr_steps >= 0, "health.rollback_lr_steps", "an int >= 0",
+                 self.rollback_lr_steps)  # fmt: skip
+
+
 @dataclass(kw_only=True)
 class Validation:
     """Periodic held-out loss."""
@@ -650,6 +716,39 @@ class Debug:
     """Warn instead of failing on ops without a deterministic implementation."""
     num_threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
+    inject: list[str] = field(default_factory=list)
+    """Fault drills, KIND:STEP[:RANK], KIND one of nan_loss, nan_grad, loss_spike, grad_spike."""
+    drill: bool = False
+    """Allow debug.inject: a run with injected faults must say it is a drill."""
+
+    def __post_init__(self) -> None:
+        parse_injections(self.inject)
+        _require(
+            self.drill or not self.inject,
+            "debug.inject",
+            "debug.drill on as well (injected faults are for drills only)",
+            self.inject,
+        )
+
+
+INJECTION_KINDS = ("nan_loss", "nan_grad", "loss_spike", "grad_spike")
+
+
+def parse_injections(entries: list[str]) -> list[tuple[str, int, int]]:
+    """``debug.inject`` entries as (kind, step, rank); rank 0 when not given."""
+    out = []
+    for entry in entries:
+        parts = entry.split(":")
+        ok = 2 <= len(parts) <= 3 and parts[0] in INJECTION_KINDS
+        ok = ok and all(p.isdigit() for p in parts[1:]) and int(parts[1]) > 0
+        _require(
+            ok,
+            "debug.inject",
+            f"KIND:STEP[:RANK] with KIND one of {', '.join(INJECTION_KINDS)} and STEP > 0",
+            entry,
+        )
+        out.append((parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else 0))
+    return out
 
 
 # --- pipeline: launching, storage and tracking (used by tasks/ and flows/) ----------------------
@@ -839,6 +938,8 @@ class JobConfig:
     """Profiler traces and memory snapshots."""
     metrics: Metrics = field(default_factory=Metrics)
     """Metrics logging."""
+    health: Health = field(default_factory=Health)
+    """The step guard: NaN, inf and spikes."""
     validation: Validation = field(default_factory=Validation)
     """Validation loss."""
     evaluate: Evaluate = field(default_factory=Evaluate)

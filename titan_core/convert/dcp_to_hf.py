@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_core import storage
 from titan_core.checkpoint.dcp_io import dcp_reader
 from titan_core.checkpoint.hf_weights import INDEX_FILE, expected_shapes, model_spec
-from titan_core.checkpoint.manager import COMMIT_MARKER
+from titan_core.checkpoint.manager import COMMIT_MARKER, check_healthy, read_marker
 from titan_core.convert import (
     StagedOutput,
     format_size,
@@ -80,6 +80,7 @@ def _check_checkpoint_dir(checkpoint: str) -> Any:
                 f"checkpoint: {checkpoint} has no commit marker {COMMIT_MARKER} "
                 "(an interrupted save, or not a titan checkpoint)"
             )
+        check_healthy(checkpoint, read_marker(checkpoint), "checkpoint")
         if not storage.exists(storage.join(checkpoint, ".metadata")):
             raise CheckpointError(f"checkpoint: {checkpoint} has no DCP .metadata file")
         metadata = dcp_reader(checkpoint).read_metadata()

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_core.config.job import Dataloader, parse_mix
+from titan_core.config.job import Dataloader, parse_mix, parse_ranges
 from titan_core.data.sampling import (
     Cursor,
     Identity,
@@ -68,6 +68,7 @@ class PreparedDataloader(Stateful):
         seed: int = 0,
         prefetch: int = 2,
         document_masking: bool = False,
+        exclude: list[tuple[int, int]] | None = None,
     ) -> None:
         if local_batch_size < 1:
             raise ValueError(f"local_batch_size: expected an int >= 1, got {local_batch_size}")
@@ -83,6 +84,7 @@ class PreparedDataloader(Stateful):
         self.seed = seed
         self.prefetch = prefetch
         self.document_masking = document_masking
+        self.exclude = sorted(exclude or [])  # (start, end) ranges of the global sample order
         self.seq_len = readers[0].seq_len
         self.names = _names(readers)
         self._ids = [derive_key(r.manifest.fingerprint) >> 2 for r in readers]  # fits int64
@@ -145,6 +147,30 @@ class PreparedDataloader(Stateful):
             return (self._read(picks), state), state + self.global_batch
         cursors: tuple[Cursor, ...] = state
         start = sum(c.count for c in cursors)
+        while (end := self._excluded_until(start)) is not None:
+            while start < end:  # whole global batches, exactly as training would draw them
+                _, cursors = self._draw(cursors, read=False)
+                start = sum(c.count for c in cursors)
+        picks, after = self._draw(cursors, read=True)
+        return (self._read(picks), start), after
+
+    def _excluded_until(self, position: int) -> int | None:
+        """The end of the ``exclude`` range ``position`` falls in, if any."""
+        for start, end in self.exclude:
+            if start <= position < end:
+                return end
+        return None
+
+    @property
+    def position(self) -> int:
+        """Global samples drawn so far (the start of the next global batch)."""
+        return sum(c.count for c in self._cursors)
+
+    def _draw(
+        self, cursors: tuple[Cursor, ...], *, read: bool
+    ) -> tuple[list[tuple], tuple[Cursor, ...]]:
+        """This rank's picks of the next global batch (when ``read``) and the cursors after
+        it."""
         counts = [c.count for c in cursors]
         bases = [c.base for c in cursors]
         sources = assign_sources(self.weights, counts, self.global_batch, bases)  # (G,)
@@ -157,7 +183,7 @@ class PreparedDataloader(Stateful):
             rows = np.flatnonzero(drawn[mine])
             offsets = (np.cumsum(drawn) - 1)[mine][rows]
             now, later = reader.num_samples(cursor.num_shards), reader.num_samples()
-            if rows.size:
+            if read and rows.size:
                 epochs, positions = locate(cursor, offsets, now, later)
                 samples = np.empty(rows.size, dtype=np.int64)
                 for epoch in np.unique(epochs).tolist():
@@ -166,7 +192,7 @@ class PreparedDataloader(Stateful):
                     samples[sel] = self._order(s, epoch, n)(positions[sel])
                 picks.append((s, samples, rows))
             after.append(advance(cursor, int(drawn.sum()), now, later, len(reader.shards)))
-        return (self._read(picks), start), tuple(after)
+        return picks, tuple(after)
 
     def _order(self, source: int, epoch: int, n: int) -> Permutation | Identity:
         key = (source, epoch, n)
@@ -366,4 +392,5 @@ def build_prepared_dataloader(
         seed=cfg.seed,
         prefetch=cfg.prefetch,
         document_masking=cfg.document_masking,
+        exclude=parse_ranges(cfg.exclude) if infinite else None,
     )

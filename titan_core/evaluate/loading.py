@@ -25,6 +25,7 @@ from titan_core.checkpoint.dcp_io import dcp_reader
 from titan_core.checkpoint.manager import (
     COMMIT_MARKER,
     SEED_DIR,
+    check_healthy,
     checkpoint_model,
     complete_steps,
     read_marker,
@@ -61,6 +62,7 @@ def resolve_checkpoint(url: str) -> ResolvedCheckpoint:
         raise CheckpointError(f"--checkpoint: not found: {url}")
     marker = read_marker(path)
     if marker is not None:
+        check_healthy(path, marker, "--checkpoint")
         return ResolvedCheckpoint(
             step_dir=path,
             step=int(marker["step"]),

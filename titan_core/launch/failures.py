@@ -2,8 +2,9 @@
 
 torchrun exits 1 when a worker fails and prints a "Root Cause" block naming the first failed
 rank and its exit code (negative: killed by that signal). The training entry point exits 2 on a
-user error after printing one ``error: ...`` line, which is not worth a relaunch, and 3 when a
-collective failed (the line names the flight-recorder folder), which is.
+user error after printing one ``error: ...`` line, which is not worth a relaunch, 3 when a
+collective failed (the line names the flight-recorder folder), which is, and 4 when the step
+guard stopped the run (``[health]``), which is not.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 # torchrun's failure report and the rank's last error.
 TAIL_LINES = 400
 USER_ERROR_EXIT = 2  # titan_core.train: a TitanError (bad config, missing data)
+HEALTH_STOP_EXIT = 4  # titan_core.train: the step guard stopped the run (docs/health.md)
 # titan_core.train exits 3 on a CommError (a collective failed: dead or stuck peer), retryable.
 _ROOT_CAUSE_RE = re.compile(r"Root Cause")
 _RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)")
@@ -89,6 +91,15 @@ def describe_failure(returncode: int, tail: Sequence[str], what: str = "training
         reason = _user_error(tail) or "see the log above"
         return LaunchError(
             f"{what}: rejected its input: {reason}",
+            returncode=returncode,
+            exitcode=code,
+            rank=rank,
+            retryable=False,
+        )
+    if code == HEALTH_STOP_EXIT:  # a relaunch would meet the same anomaly again
+        reason = _user_error(tail) or "see the log above"
+        return LaunchError(
+            f"{what}: stopped by the health guard: {reason}",
             returncode=returncode,
             exitcode=code,
             rank=rank,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_core import storage
-from titan_core.checkpoint.manager import complete_steps, read_marker
+from titan_core.checkpoint.manager import complete_steps, is_unhealthy, read_marker
 from titan_core.config.job import JobConfig
 from titan_core.pipeline.run.transfer import refresh
 
@@ -39,6 +39,8 @@ def complete_checkpoints(run_root: str) -> list[CheckpointInfo]:
     for step in complete_steps(folder):
         step_dir = storage.join(folder, f"step-{step}")
         marker = read_marker(step_dir) or {}
+        if is_unhealthy(marker):  # a line never continues from non-finite weights
+            continue
         found.append(
             CheckpointInfo(
                 step_dir=step_dir,

@@ -1,9 +1,11 @@
-"""What a pipeline run makes of a training job that exited cleanly: the step it reached, and,
-when it honoured a stop request (``titan_core.stop_request``), the MLflow tags saying so; a
-request the job never honoured is discarded."""
+"""What a pipeline run makes of a training job: the step it reached, and, when it honoured a
+stop request (``titan_core.stop_request``), the MLflow tags saying so (a request the job never
+honoured is discarded); the step guard's incidents as a table, MLflow tags and an artifact."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 
 from titan_core import storage
@@ -61,3 +63,55 @@ def discard_late_stop(dump_folder: str, logger: Logger | None = None) -> None:
         return
     if discarded:
         logger.info("A stop request came after training's last log step: discarded")
+
+
+HEALTH_FILE = "health.jsonl"  # the step guard's incidents, beside metrics.jsonl
+HEALTH_TAG = "titan.health"  # MLflow tag: "<incidents> incidents, <rollbacks> rollbacks"
+
+
+def health_rows(side_folder: str) -> list[dict]:
+    """The step guard's rows (incidents and rollbacks) of a run, read from its local side
+    folder; none when the guard saw nothing."""
+    path = os.path.join(side_folder, HEALTH_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def health_markdown(rows: list[dict]) -> str:
+    """The incidents as a Markdown table (the Prefect artifact of the train task)."""
+    head = "| step | what | value | ranks | action |\n|---:|---|---|---|---|\n"
+    lines = []
+    for r in rows:
+        if r["action"] == "rollback" and "quantity" not in r:
+            skipped = r.get("skipped_samples")
+            what = f"rolled back to step {r['to_step']}"
+            value = f"samples {skipped[0]}:{skipped[1]} skipped" if skipped else ""
+            lines.append(f"| {r['step']} | {what} | {value} | all | rollback |")
+        else:
+            ranks = r["ranks"] if r["ranks"] == "all" else ", ".join(map(str, r["ranks"]))
+            what, value = f"{r['kind']} {r['quantity']}", f"{r['value']}"
+            if r["kind"] == "spike":
+                value += f" (window mean {r['mean']:.4g}, std {r['std']:.3g})"
+            lines.append(f"| {r['step']} | {what} | {value} | {ranks} | {r['action']} |")
+    return "## Training health\n\n" + head + "\n".join(lines) + "\n"
+
+
+def record_health(
+    tracking: TrackingContext | None, stage_run_id: str, side_folder: str, rows: list[dict]
+) -> None:
+    """Tag the pipeline's MLflow run and its train stage run with the guard's counts
+    (``titan.health``) and attach ``health.jsonl`` to the train run."""
+    if tracking is None or not rows:
+        return
+    incidents = sum(1 for r in rows if "quantity" in r)
+    rollbacks = len(rows) - incidents
+    mlflow_client = client(tracking.uri)
+    for run_id in (tracking.parent_run_id, stage_run_id):
+        if run_id:
+            mlflow_client.set_tag(
+                run_id, HEALTH_TAG, f"{incidents} incidents, {rollbacks} rollbacks"
+            )
+    if stage_run_id:
+        mlflow_client.log_artifact(stage_run_id, os.path.join(side_folder, HEALTH_FILE))
