@@ -87,17 +87,18 @@ def test_qwen3_layout_parity(
     assert_parity(run.losses, qwen3_parity_reference, what=f"qwen3 {name}")
 
 
-@pytest.mark.slow
-def test_qwen3_4d_pp_dp_cp_tp_world_16(
+def test_qwen3_tp_with_cp(
     tmp_path: Path, qwen3_parity_seed: Path, qwen3_parity_reference: dict
 ) -> None:
-    """PP x FSDP x CP x TP = 2 x 2 x 2 x 2: 16 processes, QK-norm under TP with CP."""
-    extra = [f"{P}pipeline_parallel_degree", "2", f"{P}context_parallel_degree", "2"]
-    extra += [f"{P}tensor_parallel_degree", "2"]
+    """TP x CP = 2 x 2 on 4 processes: QK-norm on tensor-parallel heads inside ring attention,
+    the one interaction Qwen3 adds to the shared parallelism code. (The full 2x2x2x2 world of 16
+    runs for Llama in test_parallelism.py; PP and FSDP hold no Qwen3-specific code, and each
+    runs alone for Qwen3 above: the 16-process run here cost a minute of CI for nothing new.)"""
+    extra = [f"{P}context_parallel_degree", "2", f"{P}tensor_parallel_degree", "2"]
     got = run_layout(
-        tmp_path, qwen3_parity_seed, nproc=16, dp=2, extra=extra, steps=STEPS, model=QWEN3_MODEL
+        tmp_path, qwen3_parity_seed, nproc=4, dp=1, extra=extra, steps=STEPS, model=QWEN3_MODEL
     )
-    assert_parity(got, qwen3_parity_reference, what="qwen3 4D 2x2x2x2")
+    assert_parity(got, qwen3_parity_reference, what="qwen3 TP x CP 2x2")
 
 
 def test_qwen3_full_activation_checkpointing_equals_no_ac(
