@@ -19,6 +19,12 @@ TAIL_LINES = 400
 USER_ERROR_EXIT = 2  # titan_core.train: a TitanError (bad config, missing data)
 HEALTH_STOP_EXIT = 4  # titan_core.train: the step guard stopped the run (docs/health.md)
 # titan_core.train exits 3 on a CommError (a collective failed: dead or stuck peer), retryable.
+# Exit codes whose relaunch would fail the same way: bad input, or the step guard's stop (a
+# relaunch resumes from the same checkpoint and meets the same anomaly).
+_NOT_RETRIED = {
+    USER_ERROR_EXIT: "rejected its input",
+    HEALTH_STOP_EXIT: "stopped by the health guard",
+}
 _ROOT_CAUSE_RE = re.compile(r"Root Cause")
 _RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
@@ -87,19 +93,10 @@ def describe_failure(returncode: int, tail: Sequence[str], what: str = "training
     rank, exitcode = _root_cause(tail)
     code = exitcode if exitcode is not None else returncode
     where = f"rank {rank}" if rank is not None else "the job"
-    if code == USER_ERROR_EXIT:
+    if verdict := _NOT_RETRIED.get(code):
         reason = _user_error(tail) or "see the log above"
         return LaunchError(
-            f"{what}: rejected its input: {reason}",
-            returncode=returncode,
-            exitcode=code,
-            rank=rank,
-            retryable=False,
-        )
-    if code == HEALTH_STOP_EXIT:  # a relaunch would meet the same anomaly again
-        reason = _user_error(tail) or "see the log above"
-        return LaunchError(
-            f"{what}: stopped by the health guard: {reason}",
+            f"{what}: {verdict}: {reason}",
             returncode=returncode,
             exitcode=code,
             rank=rank,
