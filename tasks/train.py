@@ -27,9 +27,7 @@ from titan_core.pipeline.run.tracking import TrackingContext, log_config, stage_
 from titan_core.pipeline.run.transfer import refresh, upload_folder
 from titan_core.pipeline.stages.training import (
     discard_late_stop,
-    health_markdown,
-    health_rows,
-    record_health,
+    report_health,
     tag_stopped,
     trained_to,
 )
@@ -82,7 +80,12 @@ def train(
         try:
             result = launcher.run(spec, on_line=lambda line: logger.info(redact(line)))
         finally:  # the guard's incidents are shown whether it stopped the job or not
-            _report_health(tracking, mlflow_run_id, side)
+            if table := report_health(tracking, mlflow_run_id, side):
+                from prefect.artifacts import create_markdown_artifact
+
+                create_markdown_artifact(
+                    table, key="training-health", description="Step guard incidents"
+                )
     discard_late_stop(cfg.job.dump_folder, logger)  # the train run has ended: no more requests
     refresh(folder)  # the ranks wrote the checkpoints: drop this process's cached listings
     record = stopped_early(cfg.job.dump_folder)
@@ -93,19 +96,6 @@ def train(
     final = storage.join(folder, f"step-{step}")
     logger.info("Training finished in %.1fs; final checkpoint %s", result.elapsed_s, redact(final))
     return final
-
-
-def _report_health(tracking: TrackingContext | None, run_id: str, side: str) -> None:
-    """The step guard's incidents: a Prefect table artifact, MLflow tags and artifact."""
-    rows = health_rows(side)
-    if not rows:
-        return
-    from prefect.artifacts import create_markdown_artifact
-
-    create_markdown_artifact(
-        health_markdown(rows), key="training-health", description="Step guard incidents"
-    )
-    record_health(tracking, run_id, side, rows)
 
 
 @task(

@@ -115,3 +115,13 @@ def record_health(
             )
     if stage_run_id:
         mlflow_client.log_artifact(stage_run_id, os.path.join(side_folder, HEALTH_FILE))
+
+
+def report_health(tracking: TrackingContext | None, stage_run_id: str, side_folder: str) -> str:
+    """The step guard's incidents of a train run: recorded in MLflow (``record_health``) and
+    returned as the Markdown table for the task's Prefect artifact ("" when there were none)."""
+    rows = health_rows(side_folder)
+    if not rows:
+        return ""
+    record_health(tracking, stage_run_id, side_folder, rows)
+    return health_markdown(rows)
