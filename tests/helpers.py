@@ -21,6 +21,7 @@ ADDED_KEYS = {  # issue 22: the step guard ([health]) and fault drills
     *(f"health.{name}" for name in ("enable", "nonfinite", "spike", "spike_window")),
     *(f"health.{name}" for name in ("spike_threshold", "max_consecutive", "max_rollbacks")),
     *(f"health.{name}" for name in ("rollback_window", "rollback_lr_factor", "rollback_lr_steps")),
+    *(f"health.{name}" for name in ("straggler_factor", "sdc_every", "sdc")),
     "debug.inject",
     "debug.drill",
     "dataloader.exclude",  # issue 22: what a rollback skips, to reproduce it

@@ -319,6 +319,17 @@ def test_a_line_never_continues_from_an_unhealthy_checkpoint(tmp_path: Path) -> 
             ["--debug.inject", "nan_loss:3:2", "--debug.drill"],
             "debug.inject: nan_loss:3:2 names rank 2, but the job has ranks 0..0",
         ),
+        (["--health.straggler_factor", "1"], "health.straggler_factor: expected 0 (off) or a"),
+        (["--health.sdc_every", "-1"], "health.sdc_every: expected an int >= 0 (0: off)"),
+        (["--health.sdc", "ignore"], "--health.sdc: expected one of 'stop', 'skip'"),
+        (
+            ["--debug.inject", "slow_rank:3", "--debug.drill"],
+            "debug.inject: slow_rank:3:0: a slow rank is found by comparing ranks: it needs a job",
+        ),
+        (
+            ["--debug.inject", "bitflip:3", "--debug.drill", "--health.sdc_every", "2"],
+            "debug.inject: bitflip:3:0: step 3 is not checked",
+        ),
     ],
 )
 def test_bad_health_settings_are_one_line_before_anything_is_written(
@@ -391,6 +402,75 @@ def test_an_anomaly_on_one_rank_is_seen_by_every_rank(
     assert [int(m["step"]) for m in metrics] == [1, 2, 3, 4]
     assert metrics[-1]["health/skipped_steps"] == 1.0
     assert out.count(f"health: step {step}:") == 1  # one line, from rank 0
+
+
+# ------------------------------------------------------------------ stragglers, corruption
+@pytest.mark.multiprocess
+def test_a_slow_rank_is_named_within_two_log_intervals(tmp_path: Path) -> None:
+    """Rank 1 computes 3x as long from step 5 on: it is named at a log step within two log
+    intervals, in a console line, a health.jsonl row and the metrics; rank 0 never is."""
+    args = [*_launch_args(tmp_path, MODEL, "--debug.inject", "slow_rank:5:1"),
+            "--training.steps", "12", "--metrics.log_freq", "4"]  # fmt: skip
+    out = launch_job(args, tmp_path, backend="local", nproc_per_node=2)
+    rows = [json.loads(line) for line in (tmp_path / "health.jsonl").read_text().splitlines()]
+    assert rows and all(r["kind"] == "straggler" for r in rows), rows
+    assert {tuple(r["ranks"]) for r in rows} == {(1,)}, rows
+    first = rows[0]
+    assert 5 <= first["step"] <= 5 + 2 * 4 and first["quantity"] == "compute", first
+    assert first["value"] > 1.5 * first["median"]
+    assert set(first["timings"]) == {"data_wait", "collective_wait", "compute"}
+    assert f"health: step {first['step']}: straggler rank 1: compute" in out
+    metrics = {
+        int(m["step"]): m
+        for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+    }
+    assert metrics[first["step"]]["health/slowest_rank"] == 1.0
+    assert metrics[first["step"]]["health/slowest_factor"] > 1.5
+    assert metrics[12]["health/stragglers"] >= 1.0
+    assert metrics[12]["health/incidents"] == 0.0  # reported, not an anomaly of the update
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_a_flipped_bit_is_found_by_the_recompute_on_its_rank(tmp_path: Path, policy: str) -> None:
+    """A bit flipped in rank 1's working copy of a weight during step 4's forward: the
+    recompute of step 4 differs on rank 1 (and on no checked step without a flip), and the
+    policy acts: stop (exit 4, one line naming rank 1) or skip (the run goes on)."""
+    args = [*_launch_args(tmp_path, MODEL, "--debug.inject", "bitflip:4:1",
+                          "--health.sdc_every", "2", "--health.sdc", policy),
+            "--training.steps", "8"]  # fmt: skip
+    if policy == "stop":
+        with pytest.raises(AssertionError) as failed:
+            launch_job(args, tmp_path, backend="local", nproc_per_node=2)
+        first = str(failed.value).splitlines()[0]
+        assert first.startswith("training: stopped by the health guard: health: step 4: sdc ")
+        assert "recompute differs (loss and gradients, relative" in first and "on rank 1;" in first
+        assert "health.sdc = stop: stopped before applying it" in first
+    else:
+        launch_job(args, tmp_path, backend="local", nproc_per_node=2)
+    rows = [json.loads(line) for line in (tmp_path / "health.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["kind"], r["ranks"], r["action"]) for r in rows] == [
+        (4, "sdc", [1], policy)
+    ]
+    assert rows[0]["differs"] == "loss and gradients" and rows[0]["value"] > 0
+
+
+def test_the_recompute_verdict_tells_noise_from_a_fault() -> None:
+    """Exact on CPU (any difference counts), a relative tolerance elsewhere; two non-finite
+    results agree, one non-finite result does not."""
+    from titan_core.components.health import SDC_RTOL, recompute_verdict
+
+    def verdict(a: float, b: float, exact: bool) -> list[float]:
+        loss = (torch.tensor(a), torch.tensor(b))
+        grads = (torch.tensor([1.0, 2.0], dtype=torch.float64),) * 2
+        return recompute_verdict((loss[0], grads[0]), (loss[1], grads[1]), exact).tolist()
+
+    assert verdict(2.0, 2.0, exact=True) == [0.0, 0.0, 0.0, 0.0]
+    assert verdict(2.0, 2.0 + 2e-7, exact=True)[:2] == [1.0, 0.0]
+    assert verdict(2.0, 2.0 * (1 + SDC_RTOL / 2), exact=False)[:2] == [0.0, 0.0]
+    assert verdict(2.0, 2.5, exact=False)[0] == 1.0
+    assert verdict(math.nan, math.nan, exact=True)[:2] == [0.0, 0.0]
+    assert verdict(math.nan, 2.0, exact=False)[0] == 1.0
 
 
 # ------------------------------------------------------------------ rollback
@@ -517,3 +597,20 @@ def test_pipeline_shows_the_incident_and_stops_or_completes(
         )
     table = next(a for a in found if a.flow_run_id == flow_run_id).data
     assert "| 3 | nonfinite grad_norm | nan | all |" in table
+
+
+def test_the_report_table_reads_every_kind_of_row() -> None:
+    """The train task's Prefect table: a straggler and a recompute mismatch read as such."""
+    from titan_core.components.health import Incident
+    from titan_core.components.stragglers import Straggler
+    from titan_core.pipeline.stages.training import health_markdown
+
+    timings = {"data_wait": 0.001, "collective_wait": 0.004, "compute": 0.0613}
+    rows = [
+        Straggler(8, 1, "compute", 0.0613, 0.0198, timings).row(),
+        Incident(4, "recompute", "sdc", 0.00412, "stop", [1], differs="loss and gradients").row(),
+    ]
+    table = health_markdown(json.loads(json.dumps(rows)))  # as read back from health.jsonl
+    straggler = "| 8 | straggler (compute) | 61.3 ms/step (others' median 19.8 ms) | 1 | report |"
+    assert straggler in table
+    assert "| 4 | recompute differs | loss and gradients, relative 0.00412 | 1 | stop |" in table

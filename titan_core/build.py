@@ -17,7 +17,7 @@ import torch
 
 from titan_core import storage
 from titan_core.checkpoint.manager import checkpoint_model
-from titan_core.config.job import JobConfig, parse_injections, parse_mix
+from titan_core.config.job import Health, JobConfig, parse_injections, parse_mix
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.distributed import simulation
 from titan_core.distributed import utils as dist_utils
@@ -198,11 +198,7 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
             "(parallelism.pipeline_parallel_degree and context_parallel_degree must be 1)"
         )
     for kind, step, rank in parse_injections(cfg.debug.inject):
-        if rank >= world_size:
-            raise ConfigError(
-                f"debug.inject: {kind}:{step}:{rank} names rank {rank}, but the job has ranks "
-                f"0..{world_size - 1}"
-            )
+        _check_injection(cfg.health, kind, step, rank, world_size)
     tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
     check_prepared_data(cfg, tokenizer, parallel_dims.dp_degree)
     model_args = build_model_args(cfg, tokenizer.n_words)
@@ -210,6 +206,24 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
         # CP shards the RoPE table with the tokens, so it needs exactly one row per token.
         model_args.max_seq_len = cfg.training.seq_len
     return parallel_dims, tokenizer, model_args
+
+
+def _check_injection(health: Health, kind: str, step: int, rank: int, world_size: int) -> None:
+    """One ``debug.inject`` entry against the job: its rank exists, and what would see the
+    fault is on (a drill nothing can detect proves nothing)."""
+    entry = f"debug.inject: {kind}:{step}:{rank}"
+    if rank >= world_size:
+        raise ConfigError(f"{entry} names rank {rank}, but the job has ranks 0..{world_size - 1}")
+    if kind == "slow_rank" and (world_size < 2 or not health.enable or not health.straggler_factor):
+        raise ConfigError(
+            f"{entry}: a slow rank is found by comparing ranks: it needs a job of 2 or more "
+            f"ranks (this one has {world_size}), health.enable and health.straggler_factor > 0"
+        )
+    if kind == "bitflip" and (not health.enable or not health.sdc_every or step % health.sdc_every):
+        raise ConfigError(
+            f"{entry}: step {step} is not checked: a bit flip is found by the recompute of "
+            f"a step that health.sdc_every (now {health.sdc_every}) divides, with health.enable"
+        )
 
 
 def resolved_config(cfg: JobConfig, parallel_dims: ParallelDims, model_args: Any) -> JobConfig:

@@ -22,7 +22,14 @@ from titan_core import storage
 from titan_core.build import build_model_parts, check_job, local_side_folder, resolved_config
 from titan_core.checkpoint.manager import CheckpointManager, complete_steps, read_marker
 from titan_core.checkpoint.states import ModelState, TrainState
-from titan_core.components.health import HealthGuard, HealthStop, inject_faults
+from titan_core.components.health import (
+    HealthGuard,
+    HealthStop,
+    arm_bitflip,
+    grad_fingerprint,
+    inject_faults,
+    recompute_verdict,
+)
 from titan_core.components.loss import cross_entropy_loss
 from titan_core.components.lr_scheduler import LRSchedulerState, build_lr_scheduler
 from titan_core.components.metrics import (
@@ -38,6 +45,7 @@ from titan_core.components.mlflow_sink import mlflow_sink_from_env
 from titan_core.components.moe_stats import MoEStats
 from titan_core.components.optimizer import OptimizerState, build_optimizer
 from titan_core.components.profiling import MemoryProfiler, maybe_enable_profiling
+from titan_core.components.stragglers import StragglerMonitor, slow_down
 from titan_core.components.validate import Validator, validation_data, validation_dataloader
 from titan_core.config.dtypes import autocast_dtype, compute_dtype
 from titan_core.config.job import Dataloader, JobConfig, parse_injections
@@ -108,10 +116,17 @@ class Trainer:
         self.guard = self._build_guard()
         self._rollbacks: list[int] = []  # steps at which the guard rolled back
         self._damped_until = 0  # the last step of a rollback's learning-rate damping
-        self.injections = [
-            (kind, step) for kind, step, rank in parse_injections(cfg.debug.inject)
-            if rank == self.dist.rank
-        ]  # fmt: skip
+        mine = [(k, s) for k, s, r in parse_injections(cfg.debug.inject) if r == self.dist.rank]
+        self.injections = [(k, s) for k, s in mine if k not in ("slow_rank", "bitflip")]
+        self._slow_from = min((s for k, s in mine if k == "slow_rank"), default=None)
+        self._slow_seconds = 0.0  # the slow-rank drill's extra compute per step, set at its start
+        self._bitflips = {s for k, s in mine if k == "bitflip"}
+        h = cfg.health
+        self.stragglers = (
+            StragglerMonitor(h.straggler_factor, self.device, self.dist.world_size)
+            if h.enable and h.straggler_factor and self.dist.world_size > 1
+            else None
+        )
         self.checkpointer = CheckpointManager(
             cfg.checkpoint,
             cfg.job.dump_folder,
@@ -215,6 +230,9 @@ class Trainer:
             except HealthStop as e:
                 raise HealthStop(f"{e}; {self._newest_checkpoint()}") from None
             metrics = guard.metrics()
+            if self.stragglers is not None and (self.metrics.should_log(step) or final):
+                guard.record_stragglers(self.stragglers.report(step))
+                metrics |= self.stragglers.metrics()
         if saving:  # weights checked too: an overflow to inf is no NaN loss yet
             mark = guard.mark() if guard is not None else {"guard": False}
             self.checkpointer.health = {"healthy": self._weights_finite(), **mark}
@@ -250,6 +268,8 @@ class Trainer:
             LRSchedulerState(self.lr_scheduler).load_state_dict({"last_epoch": target})
         self.train_state.step = target
         self.guard.reset()
+        if self.stragglers is not None:
+            self.stragglers.reset()
         self._rollbacks.append(step)
         self._damped_until = target + h.rollback_lr_steps
         skipped = ""
@@ -372,16 +392,21 @@ class Trainer:
         With the guard on, the loss is the global mean (NaN when a rank's was not finite) and
         the update is applied only when the guard passes it: the fused optimizer reads its
         verdict as ``found_inf`` on the device; the other implementations read it on the host."""
-        self.optimizer.zero_grad()
-        # Each forward's aux-loss gradient gets its training loss's factor: 1 / accumulation
-        # steps, and under PP also 1 / microbatches (PipelineRunner.step scales each one's loss).
-        microbatches = self.pipeline.num_microbatches if self.pipeline is not None else 1
-        self.moe_stats.start_step(1.0 / (len(batches) * microbatches))
-        loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels, *doc_ids in batches:  # doc_ids: [] or [(bs, seq)] when masking
-            loss = self._forward_backward(inputs, labels, 1.0 / len(batches), *doc_ids)
-            # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
-            loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
+        if self._slow_from is not None and step >= self._slow_from:  # the slow-rank drill
+            if not self._slow_seconds:  # this rank's compute x 3 from now on
+                last = self.stragglers.last_compute if self.stragglers is not None else 0.0
+                self._slow_seconds = max(0.02, 2 * last)
+            slow_down(self._slow_seconds)
+        if step in self._bitflips:  # the bit-flip drill: this step's first forward only
+            arm_bitflip(self._flip_target())
+        loss_sum = self._accumulate(batches)
+        sdc = None
+        every = self.cfg.health.sdc_every if self.guard is not None else 0
+        if every and step % every == 0:  # the same inputs again: the same result?
+            first = (loss_sum, grad_fingerprint(self._params))
+            loss_sum = self._accumulate(batches)
+            exact = self.device.type == "cpu" or self.cfg.debug.deterministic
+            sdc = recompute_verdict(first, (loss_sum, grad_fingerprint(self._params)), exact)
         if due := [i for i in self.injections if i[1] == step]:  # a drill fires once
             loss_sum = inject_faults(due, step, loss_sum, self._params)
             self.injections = [i for i in self.injections if i[1] != step]
@@ -390,7 +415,7 @@ class Trainer:
         )
         apply = True
         if self.guard is not None:
-            found_inf, loss_sum = self.guard.check(step, loss_sum, grad_norm)
+            found_inf, loss_sum = self.guard.check(step, loss_sum, grad_norm, sdc)
             if self.cfg.optimizer.implementation == "fused":
                 self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
             else:
@@ -407,13 +432,38 @@ class Trainer:
         self.lr_scheduler.step()
         return loss_sum, grad_norm
 
+    def _accumulate(self, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """Zeroed gradients, then forward and backward of every micro-batch; the summed loss."""
+        self.optimizer.zero_grad()
+        # Each forward's aux-loss gradient gets its training loss's factor: 1 / accumulation
+        # steps, and under PP also 1 / microbatches (PipelineRunner.step scales each one's loss).
+        microbatches = self.pipeline.num_microbatches if self.pipeline is not None else 1
+        self.moe_stats.start_step(1.0 / (len(batches) * microbatches))
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels, *doc_ids in batches:  # doc_ids: [] or [(bs, seq)] when masking
+            loss = self._forward_backward(inputs, labels, 1.0 / len(batches), *doc_ids)
+            # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
+            loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
+        return loss_sum
+
+    def _flip_target(self) -> torch.nn.Module:
+        """Where the bit-flip drill flips: this rank's first linear layer."""
+        for part in self.model_parts:
+            for module in part.modules():
+                if isinstance(module, torch.nn.Linear):
+                    return module
+        raise RuntimeError("bit-flip drill: no linear layer on this rank")
+
     def _next_batches(self, data_iter: Any) -> list[tuple[torch.Tensor, ...]]:
         start = time.perf_counter()
         batches = []
         for _ in range(self.cfg.training.gradient_accumulation_steps):
             # (inputs, labels), plus doc_ids under document masking
             batches.append(tuple(t.to(self.device) for t in next(data_iter)))
-        self.metrics.add_data_time(time.perf_counter() - start)
+        waited = time.perf_counter() - start
+        self.metrics.add_data_time(waited)
+        if self.stragglers is not None:
+            self.stragglers.add_data(waited)
         return batches
 
     def _pp_group(self) -> dist.ProcessGroup | None:
@@ -505,12 +555,16 @@ class Trainer:
                         gc.collect(1)
                     batches = self._next_batches(data_iter)
                     flight_recorder.maybe_inject_hang(step, self.dist.rank)
+                    if self.stragglers is not None:
+                        self.stragglers.train_begin()
                     try:
                         loss, grad_norm = self.train_step(batches, step)
                     except torch.OutOfMemoryError:
                         if mem_profiler:
                             mem_profiler.step(step, exit_=True)
                         raise
+                    if self.stragglers is not None:
+                        self.stragglers.train_end()
                     if step == start_step + 1:  # the slow first step is done: tighten timeouts
                         flight_recorder.set_pg_timeouts(cfg.comm.train_timeout_seconds)
                     self.train_state.ntokens_seen += tokens_per_step
@@ -559,6 +613,8 @@ class Trainer:
     def close(self) -> None:
         """Finish background saves, close sinks, and tear down the process group."""
         self.checkpointer.close()
+        if self.stragglers is not None:
+            self.stragglers.close()
         if self.metrics is not None:
             self.metrics.close()
         dist_utils.destroy_process_group()

@@ -30,18 +30,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_core.components.stragglers import Straggler
 from titan_core.config.job import Health
 from titan_core.errors import TitanError
 from titan_core.logging import logger
 
 CAPACITY = 100  # most steps between two host reads of the records
 # The kinds of anomaly, as bits of a step's code.
-LOSS_NONFINITE, GRAD_NONFINITE, LOSS_SPIKE, GRAD_SPIKE = 1, 2, 4, 8
+LOSS_NONFINITE, GRAD_NONFINITE, LOSS_SPIKE, GRAD_SPIKE, SDC = 1, 2, 4, 8, 16
 _KINDS = (
     (LOSS_NONFINITE, "loss", "nonfinite"),
     (GRAD_NONFINITE, "grad_norm", "nonfinite"),
     (LOSS_SPIKE, "loss", "spike"),
     (GRAD_SPIKE, "grad_norm", "spike"),
+    (SDC, "recompute", "sdc"),
 )
 _SPIKE_FACTOR = 100.0  # what an injected spike multiplies its quantity by
 # Columns of a step's record: global loss, grad norm, code, this rank's own loss, skipped,
@@ -70,10 +72,89 @@ def inject_faults(
     return loss
 
 
+SDC_RTOL = 1e-4  # recompute tolerance where kernels are not deterministic (CUDA, unless asked)
+_FLIP_BIT = {torch.float32: 22, torch.bfloat16: 6, torch.float16: 9}  # the top mantissa bit
+
+
+def grad_fingerprint(params: list[torch.Tensor]) -> torch.Tensor:
+    """Each parameter's local gradient as one float64 number (its sum of squares; 0 without a
+    gradient), for comparing a step's two passes on the device."""
+    sums = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            sums.append(torch.zeros((), dtype=torch.float64, device=p.device))
+            continue
+        g = g.to_local() if hasattr(g, "to_local") else g
+        sums.append(g.detach().double().square().sum())
+    return torch.stack(sums)
+
+
+def recompute_verdict(
+    first: tuple[torch.Tensor, torch.Tensor],
+    second: tuple[torch.Tensor, torch.Tensor],
+    exact: bool,
+) -> torch.Tensor:
+    """This rank's verdict on a step computed twice, from (loss, gradient fingerprint) of
+    each pass: (loss differs, gradients differ, loss's relative difference, gradients' largest
+    relative difference) on the device. ``exact``: any difference counts (CPU kernels, or
+    deterministic ones); else more than ``SDC_RTOL``. Two non-finite values agree."""
+
+    def differ(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = a.double().reshape(-1), b.double().reshape(-1)
+        finite = torch.isfinite(a) & torch.isfinite(b)
+        rel = torch.where(finite, (a - b).abs() / b.abs().clamp(min=1e-30), 0.0)
+        one_bad = torch.isfinite(a) != torch.isfinite(b)
+        bad = (a != b if exact else rel > SDC_RTOL) & finite | one_bad
+        return bad.any(), torch.where(one_bad, math.inf, rel).max()
+
+    (loss_bad, loss_rel), (grad_bad, grad_rel) = (
+        differ(first[0], second[0]),
+        differ(first[1], second[1]),
+    )
+    return torch.stack([loss_bad.double(), grad_bad.double(), loss_rel, grad_rel])
+
+
+def arm_bitflip(module: torch.nn.Module) -> None:
+    """The bit-flip drill: the next forward of ``module`` (a leaf with a floating ``weight``)
+    runs with one bit of this rank's working copy of the weight flipped (the top mantissa bit
+    of its first element), then flips it back: a transient fault in this rank's compute, the
+    kind a recompute finds."""
+
+    def flip(*_: Any) -> None:
+        w = module.weight
+        w = (w.to_local() if hasattr(w, "to_local") else w).data  # .data: autograd is not told
+        bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(w.dtype, torch.int16)
+        w.view(-1)[:1].view(bits).bitwise_xor_(1 << _FLIP_BIT.get(w.dtype, 9))
+
+    def before(*args: Any) -> None:
+        flip()
+        pre.remove()
+
+    def after(*args: Any) -> None:
+        flip()
+        post.remove()
+
+    pre = module.register_forward_pre_hook(before)
+    post = module.register_forward_hook(after)
+
+
 def _shown(quantity: str, value: float) -> float:
     """A window statistic as people read it: the gradient norm's are in log space (its mean
     is the geometric mean, its std a factor)."""
     return math.exp(value) if quantity == "grad_norm" else value
+
+
+def _sdc_verdict(verdicts: list[list[float]]) -> tuple[list[int], str, float]:
+    """Who a recompute mismatch names: the ranks whose own (not yet reduced) loss differed;
+    when only gradients differed, the ranks that saw it in their reduced gradient shards (the
+    fault is on one of the ranks that reduce into them). Also what differed, and by how much."""
+    by_loss = [r for r, v in enumerate(verdicts) if v[0]]
+    by_grad = [r for r, v in enumerate(verdicts) if v[1]]
+    differs = " and ".join(w for w, rs in (("loss", by_loss), ("gradients", by_grad)) if rs)
+    ranks = by_loss or by_grad
+    value = max(max(verdicts[r][2], verdicts[r][3]) for r in ranks)
+    return ranks, differs, value
 
 
 class HealthStop(TitanError):
@@ -94,12 +175,15 @@ class Incident:
     ranks: list[int] | None = None  # whose own loss was not finite; None: a global quantity
     mean: float | None = None  # the window's statistics, for a spike
     std: float | None = None
+    differs: str | None = None  # sdc: what the recompute changed (loss, gradients)
 
     def line(self) -> str:
         """The console line."""
         where = f" on rank {', '.join(map(str, self.ranks))}" if self.ranks else ""
         what = f"{self.quantity} {self.value:.6g}{where}"
-        if self.kind == "spike" and self.quantity == "grad_norm":  # judged in log space
+        if self.kind == "sdc":  # value: the largest relative difference of the two passes
+            what = f"recompute differs ({self.differs}, relative {self.value:.3g}){where}"
+        elif self.kind == "spike" and self.quantity == "grad_norm":  # judged in log space
             what += f" (window geometric mean {self.mean:.6g}, spread x{self.std:.3g})"
         elif self.kind == "spike":
             what += f" (window mean {self.mean:.6g}, std {self.std:.3g})"
@@ -120,6 +204,8 @@ class Incident:
         }
         if self.kind == "spike":
             out |= {"mean": self.mean, "std": self.std}
+        if self.kind == "sdc":
+            out["differs"] = self.differs
         return out
 
 
@@ -155,9 +241,8 @@ class HealthGuard:
         self.min_history = max(min_history, cfg.spike_window)
         self.jsonl = os.path.join(folder, "health.jsonl") if is_rank0 else None  # local side folder
         self.is_rank0 = is_rank0
-        self.action = {
-            bit: cfg.nonfinite if kind == "nonfinite" else cfg.spike for bit, _, kind in _KINDS
-        }
+        policy = {"nonfinite": cfg.nonfinite, "spike": cfg.spike, "sdc": cfg.sdc}
+        self.action = {bit: policy[kind] for bit, _, kind in _KINDS}
         # A stop or a rollback drops every update after the anomaly until the host acts.
         self.halt_bits = sum(bit for bit, action in self.action.items() if action != "skip")
         w = cfg.spike_window
@@ -167,6 +252,7 @@ class HealthGuard:
         self._halted = torch.zeros((), dtype=torch.bool, device=device)
         self._records = torch.zeros(CAPACITY, _COLS, device=device)
         self._steps: list[int] = []  # the steps of the pending records (host-known)
+        self._sdc: dict[int, torch.Tensor] = {}  # record index -> every rank's recompute verdict
         self._consecutive = 0
         self.counts = Counts()
         self.rollback: Incident | None = None  # set by flush(): the trainer rolls back
@@ -178,15 +264,22 @@ class HealthGuard:
         self._count.zero_()
         self._halted.zero_()
         self._steps = []
+        self._sdc = {}
         self._consecutive = 0
         self.rollback = None
 
     # ------------------------------------------------------------------ device side
     def check(
-        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        sdc: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The verdict on this step: (``found_inf`` for the optimizer, 1.0 to drop the update;
-        the global mean loss, NaN when some rank's loss was not finite). No host sync."""
+        the global mean loss, NaN when some rank's loss was not finite). No host sync. ``sdc``:
+        on a rechecked step, this rank's (loss differs, gradients differ, their relative
+        differences) from ``recompute_verdict``."""
         loss = loss.detach().float().reshape(())
         own_bad = ~torch.isfinite(loss)
         both = torch.stack([torch.where(own_bad, torch.zeros_like(loss), loss), own_bad.float()])
@@ -215,6 +308,13 @@ class HealthGuard:
             + spike[0].long() * LOSS_SPIKE
             + spike[1].long() * GRAD_SPIKE
         )
+        if sdc is not None:  # every rank's verdict, to name the ones whose recompute differed
+            verdicts = torch.zeros(self.world_size, 4, device=self.device)
+            verdicts[self.rank] = sdc.float()
+            if self.world_size > 1:
+                dist.all_reduce(verdicts, op=dist.ReduceOp.SUM)
+            code = code + (verdicts[:, :2].sum() > 0).long() * SDC
+            self._sdc[len(self._steps)] = verdicts
         skip = (code > 0) | self._halted
         self._halted |= (code & self.halt_bits) > 0
         # Every finite step enters the window, spikes too: a lasting change of level is taken
@@ -252,6 +352,7 @@ class HealthGuard:
         k = len(self._steps)
         rows = self._records[:k].tolist()
         steps, self._steps = self._steps, []
+        sdc, self._sdc = {i: v.tolist() for i, v in self._sdc.items()}, {}
         anomalous = [i for i, r in enumerate(rows) if r[2]]
         own = [[r[3] for r in rows]]  # every rank's own loss, when some rank's was not finite
         if any(int(rows[i][2]) & LOSS_NONFINITE for i in anomalous) and self.world_size > 1:
@@ -277,6 +378,9 @@ class HealthGuard:
                     if len(own) == 1:  # one rank, or nothing gathered: this rank's own view
                         bad = [(self.rank, v) for _, v in bad]
                     ranks, value = [r for r, _ in bad], bad[0][1] if bad else value
+                differs = None
+                if bit == SDC:  # the ranks whose own loss differed; else whose gradients did
+                    ranks, differs, value = _sdc_verdict(sdc[i])
                 j = 5 if quantity == "loss" else 7
                 action = self.action[bit]
                 incident = Incident(
@@ -288,6 +392,7 @@ class HealthGuard:
                     ranks=ranks,
                     mean=_shown(quantity, row[j]) if kind == "spike" else None,
                     std=_shown(quantity, row[j + 1]) if kind == "spike" else None,
+                    differs=differs,
                 )
                 incidents.append(incident)
                 if action == "stop" and stop is None:
@@ -307,8 +412,7 @@ class HealthGuard:
     def _stop_line(self, incident: Incident) -> str:
         first = incident.line().split(" -> ")[0]
         if incident.action == "stop":
-            policy = "nonfinite" if incident.kind == "nonfinite" else "spike"
-            return f"{first}; health.{policy} = stop: stopped before applying it"
+            return f"{first}; health.{incident.kind} = stop: stopped before applying it"
         return (
             f"{first}; {self._consecutive} anomalous steps in a row "
             f"(health.max_consecutive = {self.cfg.max_consecutive}): stopped, none of them applied"
@@ -321,10 +425,21 @@ class HealthGuard:
             self.counts.by_kind[key] = self.counts.by_kind.get(key, 0) + 1
             if self.is_rank0:
                 logger.warning(incident.line())
-        if self.jsonl is not None and incidents:
+        self._append([i.row() for i in incidents])
+
+    def record_stragglers(self, found: list[Straggler]) -> None:
+        """Report the ranks the straggler monitor named: one console line and one
+        ``health.jsonl`` row each (reported only: a slow rank changes no update)."""
+        if self.is_rank0:
+            for s in found:
+                logger.warning(s.line())
+        self._append([s.row() for s in found])
+
+    def _append(self, rows: list[dict[str, Any]]) -> None:
+        if self.jsonl is not None and rows:
             os.makedirs(os.path.dirname(self.jsonl) or ".", exist_ok=True)
             with open(self.jsonl, "a") as f:
-                f.write("".join(json.dumps(i.row()) + "\n" for i in incidents))
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
 
     def record_rollback(
         self, line: str, step: int, target: int, skipped: tuple[int, int] | None
@@ -333,12 +448,10 @@ class HealthGuard:
         self.counts.rollbacks += 1
         if self.is_rank0:
             logger.warning(line)
-        if self.jsonl is not None:
-            row = {"step": step, "action": "rollback", "to_step": target}
-            if skipped is not None:
-                row["skipped_samples"] = list(skipped)
-            with open(self.jsonl, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        row: dict[str, Any] = {"step": step, "action": "rollback", "to_step": target}
+        if skipped is not None:
+            row["skipped_samples"] = list(skipped)
+        self._append([row])
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counts for the metrics sinks (console, jsonl, MLflow)."""

@@ -588,6 +588,14 @@ class Health:
     """Learning-rate factor for the rollback_lr_steps steps after a rollback (1: no damping)."""
     rollback_lr_steps: int = 0
     """Steps after a rollback that train at rollback_lr_factor x the scheduled learning rate."""
+    straggler_factor: float = 1.5
+    """Name a rank whose compute or data wait per step exceeds this x the other ranks' median
+    (compared at log steps); 0 turns it off."""
+    sdc_every: int = 0
+    """Silent-data-corruption check: every N steps, recompute the step's forward and backward
+    on the same inputs and compare; 0 turns it off."""
+    sdc: HealthPolicy = "stop"
+    """A recompute that differs (a silent data corruption): stop, skip or rollback."""
 
     def __post_init__(self) -> None:
         _require(self.spike_window > 1, "health.spike_window", "an int > 1", self.spike_window)
@@ -606,6 +614,14 @@ class Health:
                  "a number in (0, 1]", self.rollback_lr_factor)  # fmt: skip
         _require(self.rollback_lr_steps >= 0, "health.rollback_lr_steps", "an int >= 0",
                  self.rollback_lr_steps)  # fmt: skip
+        _require(
+            self.straggler_factor == 0
+            or (self.straggler_factor > 1 and math.isfinite(self.straggler_factor)),
+            "health.straggler_factor",
+            "0 (off) or a finite number > 1",
+            self.straggler_factor,
+        )
+        _require(self.sdc_every >= 0, "health.sdc_every", "an int >= 0 (0: off)", self.sdc_every)
 
 
 @dataclass(kw_only=True)
@@ -717,7 +733,8 @@ class Debug:
     num_threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
     inject: list[str] = field(default_factory=list)
-    """Fault drills, KIND:STEP[:RANK], KIND one of nan_loss, nan_grad, loss_spike, grad_spike."""
+    """Fault drills, KIND:STEP[:RANK], KIND one of nan_loss, nan_grad, loss_spike, grad_spike,
+    slow_rank (from STEP on), bitflip (in STEP's forward)."""
     drill: bool = False
     """Allow debug.inject: a run with injected faults must say it is a drill."""
 
@@ -731,7 +748,7 @@ class Debug:
         )
 
 
-INJECTION_KINDS = ("nan_loss", "nan_grad", "loss_spike", "grad_spike")
+INJECTION_KINDS = ("nan_loss", "nan_grad", "loss_spike", "grad_spike", "slow_rank", "bitflip")
 
 
 def parse_injections(entries: list[str]) -> list[tuple[str, int, int]]:

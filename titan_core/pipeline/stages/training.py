@@ -66,7 +66,7 @@ def discard_late_stop(dump_folder: str, logger: Logger | None = None) -> None:
 
 
 HEALTH_FILE = "health.jsonl"  # the step guard's incidents, beside metrics.jsonl
-HEALTH_TAG = "titan.health"  # MLflow tag: "<incidents> incidents, <rollbacks> rollbacks"
+HEALTH_TAG = "titan.health"  # MLflow tag: "<n> incidents, <n> rollbacks[, <n> stragglers]"
 
 
 def health_rows(side_folder: str) -> list[dict]:
@@ -94,6 +94,14 @@ def health_markdown(rows: list[dict]) -> str:
             what, value = f"{r['kind']} {r['quantity']}", f"{r['value']}"
             if r["kind"] == "spike":
                 value += f" (window mean {r['mean']:.4g}, std {r['std']:.3g})"
+            elif r["kind"] == "straggler":
+                what = f"straggler ({r['quantity'].replace('_', ' ')})"
+                value = (
+                    f"{r['value'] * 1e3:.1f} ms/step (others' median {r['median'] * 1e3:.1f} ms)"
+                )
+            elif r["kind"] == "sdc":
+                what = "recompute differs"
+                value = f"{r['differs']}, relative {r['value']:.3g}"
             lines.append(f"| {r['step']} | {what} | {value} | {ranks} | {r['action']} |")
     return "## Training health\n\n" + head + "\n".join(lines) + "\n"
 
@@ -105,14 +113,15 @@ def record_health(
     (``titan.health``) and attach ``health.jsonl`` to the train run."""
     if tracking is None or not rows:
         return
-    incidents = sum(1 for r in rows if "quantity" in r)
-    rollbacks = len(rows) - incidents
+    stragglers = sum(1 for r in rows if r.get("kind") == "straggler")
+    rollbacks = sum(1 for r in rows if "quantity" not in r)
+    summary = f"{len(rows) - stragglers - rollbacks} incidents, {rollbacks} rollbacks"
+    if stragglers:
+        summary += f", {stragglers} stragglers"
     mlflow_client = client(tracking.uri)
     for run_id in (tracking.parent_run_id, stage_run_id):
         if run_id:
-            mlflow_client.set_tag(
-                run_id, HEALTH_TAG, f"{incidents} incidents, {rollbacks} rollbacks"
-            )
+            mlflow_client.set_tag(run_id, HEALTH_TAG, summary)
     if stage_run_id:
         mlflow_client.log_artifact(stage_run_id, os.path.join(side_folder, HEALTH_FILE))
 
