@@ -66,11 +66,12 @@ def train_and_publish(
     seed_url: str,
 ) -> dict[str, Any]:
     """Train the config preflight checked and stored, upload its files, export, evaluate and
-    publish; returns the publication's fields (``Publication``) and the tracking URI as plain
-    data. Every stage gets the resolved config itself (``checked.config``); only the ranks
-    read the stored ``config.toml``."""
+    publish; returns the publication's fields (``Publication``), the tracking URI and the
+    train run's health counts (``HealthCounts``) as plain data. Every stage gets the resolved
+    config itself (``checked.config``); only the ranks read the stored ``config.toml``."""
     cfg = checked.config
-    checkpoint = train_with_retries(cfg)(cfg, paths.config, seed_url, tracking)
+    trained = train_with_retries(cfg)(cfg, paths.config, seed_url, tracking)
+    checkpoint = trained.checkpoint
     upload_run_files(cfg)
     hf_url = convert_to_hf(checkpoint, cfg, tracking=tracking)  # its [convert] section
     evaluation = evaluate(checkpoint, cfg, tracking=tracking)  # its [evaluate] section
@@ -78,7 +79,8 @@ def train_and_publish(
         paths.run_root, checkpoint, hf_url, evaluation, tracking, cfg.tracking.registered_model
     )
     uri = public_url(tracking.uri) if tracking else ""  # shown to people: no credentials
-    return dataclasses.asdict(published) | {"tracking_uri": uri}
+    health = dataclasses.asdict(trained.health)
+    return dataclasses.asdict(published) | {"tracking_uri": uri, "health": health}
 
 
 def prepare_stage(cfg: JobConfig, paths: RunPaths, tokenizer_url: str) -> PreparedData | None:

@@ -26,7 +26,10 @@ from titan_core.pipeline.run.params import record_seed
 from titan_core.pipeline.run.tracking import TrackingContext, log_config, stage_run
 from titan_core.pipeline.run.transfer import refresh, upload_folder
 from titan_core.pipeline.stages.training import (
+    Trained,
     discard_late_stop,
+    health_counts,
+    health_rows,
     report_health,
     tag_stopped,
     trained_to,
@@ -41,9 +44,10 @@ FAULT_PREFIX = "TITAN_FAULT_"
 @task(name="train", cache_policy=NO_CACHE, retry_condition_fn=retry_transient)
 def train(
     job: JobConfig, config_url: str, seed_url: str = "", tracking: TrackingContext | None = None
-) -> str:
+) -> Trained:
     """Train ``job``, stored at ``config_url`` for the ranks, with torchrun; returns the final
-    checkpoint's URL. ``seed_url`` is loaded when the run has no checkpoint of its own yet.
+    checkpoint's URL and the run's health counts. ``seed_url`` is loaded when the run has no
+    checkpoint of its own yet.
     """
     from titan_core.build import local_side_folder
     from titan_core.components.mlflow_sink import mlflow_env
@@ -95,7 +99,7 @@ def train(
         tag_stopped(tracking, mlflow_run_id, stop)
     final = storage.join(folder, f"step-{step}")
     logger.info("Training finished in %.1fs; final checkpoint %s", result.elapsed_s, redact(final))
-    return final
+    return Trained(final, health_counts(health_rows(side)))
 
 
 @task(

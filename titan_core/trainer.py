@@ -123,7 +123,7 @@ class Trainer:
         self._bitflips = {s for k, s in mine if k == "bitflip"}
         h = cfg.health
         self.stragglers = (
-            StragglerMonitor(h.straggler_factor, self.device, self.dist.world_size)
+            StragglerMonitor(h.straggler_factor, self.device, self.dist.world_size, pp_rank)
             if h.enable and h.straggler_factor and self.dist.world_size > 1
             else None
         )

@@ -11,11 +11,12 @@ Each rank times its steps on the host, in three parts:
 
 In a synchronous job every rank's step takes the same wall time: the slow rank is the one that
 waits least, so its compute is longer. At log steps the ranks all-gather their means over the
-interval (one small collective where the host synchronizes anyway; at least ``MIN_STEPS``
-steps each) and a rank whose compute or
-data wait per step exceeds ``health.straggler_factor`` x the median of the other ranks' (and by
-at least ``MIN_GAP_S``) is named. On CUDA the host does not wait in collectives (kernels run
-asynchronously), so only host-side slowness shows; docs/health.md says more.
+interval (one small collective where the host synchronizes anyway; at least ``MIN_STEPS`` steps
+each) and a rank whose compute or data wait per step exceeds ``health.straggler_factor`` x the
+median of the other ranks' of its pipeline stage (stages do different work) is named, if it is
+also slower by at least ``MIN_GAP_S`` and ``MIN_SHARE`` of their step (a slowness that costs the
+job time). On CUDA the host does not wait in collectives (kernels run asynchronously), so only
+host-side slowness shows; docs/health.md says more.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 MIN_GAP_S = 0.002  # a rank must be slower by at least this per step: timer noise on tiny steps
+MIN_SHARE = 0.05  # ... and by this share of the others' step: a slowness that costs the job time
 MIN_STEPS = 3  # timed steps a comparison needs; fewer (log_freq < 3) wait for the next log step
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on a CPU, ns ready in a run queue, timeslices
 _QUANTITIES = ("compute", "data_wait")
@@ -96,8 +98,11 @@ class Straggler:
 class StragglerMonitor:
     """Times this rank's steps; ``report`` compares every rank's at a log step."""
 
-    def __init__(self, factor: float, device: torch.device, world_size: int) -> None:
+    def __init__(
+        self, factor: float, device: torch.device, world_size: int, stage: int = 0
+    ) -> None:
         self.factor = factor
+        self.stage = stage  # pipeline stage: ranks are compared with those doing the same work
         self.device = device
         self.world_size = world_size
         self.clock = ThreadClock()
@@ -137,24 +142,31 @@ class StragglerMonitor:
         calls it at the same steps). Returns the stragglers; empty on one rank."""
         if self.world_size < 2 or self._steps < MIN_STEPS:  # the same count on every rank
             return []
-        mine = torch.tensor([float(self._steps), *self._sums], dtype=torch.float64)
-        gathered = torch.zeros(self.world_size * 4, dtype=torch.float64, device=self.device)
+        mine = torch.tensor([self.stage, self._steps, *self._sums], dtype=torch.float64)
+        gathered = torch.zeros(self.world_size * 5, dtype=torch.float64, device=self.device)
         dist.all_gather_into_tensor(gathered, mine.to(self.device))
-        rows = gathered.view(self.world_size, 4).tolist()
+        rows = gathered.view(self.world_size, 5).tolist()
         self._sums, self._steps = [0.0, 0.0, 0.0], 0
+        stages = [r[0] for r in rows]
         per_step = [
-            {"data_wait": d / n, "collective_wait": c / n, "compute": x / n} for n, d, c, x in rows
+            {"data_wait": d / n, "collective_wait": c / n, "compute": x / n}
+            for _, n, d, c, x in rows
         ]
         found: list[Straggler] = []
-        ratios = []
+        ratios = [(1.0, 0)]
         for rank, own in enumerate(per_step):
-            others = [p for i, p in enumerate(per_step) if i != rank]
+            # Pipeline stages do different work: a rank is compared with its own stage's ranks.
+            others = [p for i, p in enumerate(per_step) if i != rank and stages[i] == stages[rank]]
+            if not others:
+                continue
+            step_s = statistics.median(sum(p.values()) for p in others)
             for quantity in _QUANTITIES:
                 median = statistics.median(p[quantity] for p in others)
                 value = own[quantity]
                 if quantity == "compute":
                     ratios.append((value / median if median > 0 else 1.0, rank))
-                if value > self.factor * median and value - median >= MIN_GAP_S:
+                excess = value - median
+                if value > self.factor * median and excess >= max(MIN_GAP_S, MIN_SHARE * step_s):
                     found.append(Straggler(step, rank, quantity, value, median, own))
         ratio, rank = max(ratios)
         self.slowest = (rank, ratio)

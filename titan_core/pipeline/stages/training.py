@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from titan_core import storage
 from titan_core.errors import first_line
@@ -79,6 +80,33 @@ def health_rows(side_folder: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+@dataclass(frozen=True)
+class HealthCounts:
+    """What the step guard and the straggler monitor saw in a train run, every attempt of it."""
+
+    incidents: int = 0  # anomalies: non-finite values, spikes, recompute mismatches
+    skipped_steps: int = 0  # steps whose update an incident with policy skip dropped
+    rollbacks: int = 0
+    stragglers: int = 0  # ranks named slow at log steps (reported only)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """The train task's result: the final checkpoint and the run's health counts."""
+
+    checkpoint: str
+    health: HealthCounts
+
+
+def health_counts(rows: list[dict]) -> HealthCounts:
+    """The counts of a run's ``health.jsonl`` rows."""
+    stragglers = [r for r in rows if r.get("kind") == "straggler"]
+    rollbacks = [r for r in rows if "quantity" not in r]
+    incidents = [r for r in rows if "quantity" in r and r.get("kind") != "straggler"]
+    skipped = {r["step"] for r in incidents if r["action"] == "skip"}
+    return HealthCounts(len(incidents), len(skipped), len(rollbacks), len(stragglers))
+
+
 def health_markdown(rows: list[dict]) -> str:
     """The incidents as a Markdown table (the Prefect artifact of the train task)."""
     head = "| step | what | value | ranks | action |\n|---:|---|---|---|---|\n"
@@ -113,11 +141,10 @@ def record_health(
     (``titan.health``) and attach ``health.jsonl`` to the train run."""
     if tracking is None or not rows:
         return
-    stragglers = sum(1 for r in rows if r.get("kind") == "straggler")
-    rollbacks = sum(1 for r in rows if "quantity" not in r)
-    summary = f"{len(rows) - stragglers - rollbacks} incidents, {rollbacks} rollbacks"
-    if stragglers:
-        summary += f", {stragglers} stragglers"
+    counts = health_counts(rows)
+    summary = f"{counts.incidents} incidents, {counts.rollbacks} rollbacks"
+    if counts.stragglers:
+        summary += f", {counts.stragglers} stragglers"
     mlflow_client = client(tracking.uri)
     for run_id in (tracking.parent_run_id, stage_run_id):
         if run_id:
