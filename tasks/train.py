@@ -88,7 +88,7 @@ def train(
                 from prefect.artifacts import create_markdown_artifact
 
                 create_markdown_artifact(
-                    table, key="training-health", description="Step guard incidents"
+                    table, key="training-health", description="Step guard incidents and slow ranks"
                 )
     discard_late_stop(cfg.job.dump_folder, logger)  # the train run has ended: no more requests
     refresh(folder)  # the ranks wrote the checkpoints: drop this process's cached listings
