@@ -146,3 +146,61 @@ def test_parallel_dims_validation() -> None:
     pp = ParallelDims.from_config(Parallelism(pipeline_parallel_degree=4), 4)
     with pytest.raises(ConfigError, match="exceeds the number of layers"):
         pp.validate_model(n_heads=4, n_kv_heads=4, n_layers=2)
+
+
+# ------------------------------------------------------------------ the MFU peak
+_XEON = {"vendor_id": "GenuineIntel", "cpu family": "6", "flags": "fma avx avx2 avx512f",
+         "model name": "Intel(R) Xeon(R) Gold 6148 CPU @ 2.40GHz", "cpu MHz": "1000.0"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("info", "dtype", "per_cycle"),
+    [
+        (_XEON, torch.float32, 64),  # AVX-512: 16 lanes x 2 FMA pipes x 2 FLOPs
+        (_XEON | {"flags": "fma avx avx2"}, torch.float32, 32),  # AVX2
+        (_XEON | {"flags": "avx"}, torch.float32, 16),  # no FMA: a mul and an add pipe
+        (_XEON | {"vendor_id": "AuthenticAMD", "cpu family": "25"}, torch.float32, 32),  # Zen 4
+        (_XEON | {"vendor_id": "AuthenticAMD", "cpu family": "26"}, torch.float32, 64),  # Zen 5
+        (_XEON | {"flags": "fma avx avx2 avx512f avx512_bf16"}, torch.bfloat16, 128),
+        (_XEON | {"flags": "fma avx avx2 avx512f amx_bf16"}, torch.bfloat16, 1024),
+        (_XEON, torch.float64, 32),
+    ],
+)
+def test_the_cpu_peak_is_cores_x_clock_x_flops_per_cycle(
+    info: dict[str, str], dtype: torch.dtype, per_cycle: int
+) -> None:
+    """A stable property of the CPU, not a measurement that load can make low: the model
+    name's clock (cpuinfo's current MHz is only the fallback), the vector width's FLOPs."""
+    import os
+
+    from titan_core.components.metrics import cpu_peak_tflops
+
+    peak = cpu_peak_tflops(dtype, 1, info)
+    assert peak.tflops == pytest.approx(2.4e9 * per_cycle / 1e12)
+    assert peak.source.startswith(f"1 core x 2.40 GHz x {per_cycle} FLOP/cycle")
+    cores = len(os.sched_getaffinity(0))  # more threads than cores count the cores
+    assert cpu_peak_tflops(dtype, 1000, info).tflops == pytest.approx(cores * peak.tflops)
+
+
+def test_an_mfu_above_100_percent_comes_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A peak too low for the device (here a configured one) is named, once, the first time
+    MFU passes 100%."""
+    import logging
+
+    from titan_core.components.metrics import MemoryMonitor, MetricsProcessor
+    from titan_core.config.job import Metrics
+
+    proc = MetricsProcessor(
+        Metrics(), 10**12, 1e-9, MemoryMonitor(torch.device("cpu")), [],
+        peak_source="metrics.cpu_peak_tflops",
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        for step in (1, 2):
+            proc.add_step(100)
+            assert proc.log(step, 1.0, 1.0, 1e-3)["mfu_pct"] > 100
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert (
+        len(warnings) == 1
+        and "is above 100%: the peak it divides by (1e-09 TFLOP/s: " in (warnings[0])
+    ), warnings
+    assert "metrics.cpu_peak_tflops) is too low for this device" in warnings[0]

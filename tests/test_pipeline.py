@@ -232,7 +232,11 @@ def test_mlflow_parent_and_stage_runs(first_run: dict, line: dict, s3_server: An
     assert names <= set(stages["train"].data.metrics)
     assert not {"loss", "tps", "mfu_pct"} & set(stages["train"].data.metrics)
     assert {"train/loss", "train/tps", "eval/loss"} <= set(parent.data.metrics)
-    assert stages["train"].data.params == stored
+    # The config, plus the peak MFU divides by (recorded by rank 0's sink; a stage param).
+    params = dict(stages["train"].data.params)
+    assert params.pop("mfu.peak") == "metrics.cpu_peak_tflops"  # tiny_overrides set it
+    assert float(params.pop("mfu.peak_tflops")) == float(stored["metrics.cpu_peak_tflops"])
+    assert params == stored
     assert stages["evaluate"].data.metrics["eval/loss"] == pytest.approx(
         first_run["result"]["metrics"]["eval/loss"]
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -553,3 +554,19 @@ def test_stop_request_stops_every_rank_of_a_torchrun_job(tmp_path: Path, assets:
     assert stopped_early(str(dump)) == StopRecord(1, "stop requested")
     logged = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1]
+
+
+def test_mfu_divides_by_the_cpus_peak_and_stays_under_100(tmp_path: Path) -> None:
+    """No configured peak: the CPU's theoretical one, said at the start; every logged MFU
+    is a share of it (<= 100%)."""
+    argv = [*TINY, "--job.dump_folder", str(tmp_path), "--training.steps", "4",
+            "--metrics.log_freq", "1", "--validation.no_enable"]  # fmt: skip
+    proc = _train_subprocess(argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(
+        r"MFU divides by a peak of [\d.]+ TFLOP/s per rank \(1 core x [\d.]+ GHz x \d+ FLOP/cycle",
+        proc.stdout + proc.stderr,
+    )
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(0 < r["mfu_pct"] <= 100 for r in rows if "mfu_pct" in r), rows
+    assert "is above 100%" not in proc.stdout + proc.stderr

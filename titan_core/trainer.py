@@ -316,12 +316,18 @@ class Trainer:
             if (mlflow := mlflow_sink_from_env()) is not None:  # set by the pipeline's train task
                 sinks.append(mlflow)
         dtype = compute_dtype(cfg.training, self.parallel_dims.fsdp_enabled)
+        peak = device_peak_tflops(self.device, cfg.metrics, dtype)
+        logger.info("MFU divides by a peak of %.4g TFLOP/s per rank (%s)", peak.tflops, peak.source)
+        for sink in sinks:  # recorded with the run: MLflow params
+            if hasattr(sink, "log_params"):
+                sink.log_params({"mfu.peak_tflops": f"{peak.tflops:.6g}", "mfu.peak": peak.source})
         return MetricsProcessor(
             cfg.metrics,
             self.flops_per_token,
-            device_peak_tflops(self.device, cfg.metrics, dtype),
+            peak.tflops,
             MemoryMonitor(self.device),
             sinks,
+            peak_source=peak.source,
         )
 
     def _write_config(self) -> None:

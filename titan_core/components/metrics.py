@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -156,37 +157,87 @@ class MemoryMonitor:
             torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def measure_cpu_peak_tflops(dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
-    """Best-of-N dense matmul TFLOP/s on this CPU with the current thread count."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)  # warm-up
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e12
+@dataclass(frozen=True)
+class Peak:
+    """The MFU denominator: peak TFLOP/s of the device this rank uses, and where it came from."""
+
+    tflops: float
+    source: str
 
 
-def device_peak_tflops(device: torch.device, cfg: MetricsConfig, dtype: torch.dtype) -> float:
-    """Peak TFLOP/s used as the MFU denominator: config override, datasheet, or a CPU measure."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
+
+
+def _cpu_ghz(info: dict[str, str]) -> float:
+    """The highest clock the kernel reports (cpufreq's maximum), else the model name's
+    (``@ 2.20GHz``), else the current ``cpu MHz``; 0.0 when none is known."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq") as f:
+            return int(f.read()) / 1e6
+    except (OSError, ValueError):
+        pass
+    if m := re.search(r"@\s*([\d.]+)\s*GHz", info.get("model name", "")):
+        return float(m.group(1))
+    try:
+        return float(info.get("cpu MHz", "0")) / 1e3
+    except ValueError:
+        return 0.0
+
+
+def cpu_peak_tflops(dtype: torch.dtype, threads: int, info: dict[str, str] | None = None) -> Peak:
+    """The theoretical peak of ``threads`` cores of this CPU for ``dtype``: cores x clock x
+    FLOPs per cycle per core, from the instruction sets it reports. Two FMA pipes of the widest
+    vector width: an upper bound, so that MFU cannot pass 100% (AMD before Zen 5 runs AVX-512 on
+    256-bit pipes and is counted so; bf16 counts AVX512-BF16's two products per lane, or AMX)."""
+    info = _cpuinfo() if info is None else info
+    flags = set(info.get("flags", "").split())
+    amd_256 = info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", "0")) < 26
+    bits = 512 if "avx512f" in flags and not amd_256 else 256 if "avx" in flags else 128
+    per_cycle = bits // 32 * (4 if "fma" in flags else 2)  # fp32: lanes x 2 pipes x (mul+add)
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "sse"
+    if dtype in (torch.bfloat16, torch.float16) and "amx_bf16" in flags:
+        per_cycle, isa = 1024, "amx"
+    elif dtype == torch.bfloat16 and "avx512_bf16" in flags:
+        per_cycle, isa = per_cycle * 2, "avx512_bf16"
+    elif dtype == torch.float64:
+        per_cycle //= 2
+    ghz = _cpu_ghz(info)
+    cores = max(1, min(threads, len(os.sched_getaffinity(0))))
+    plural = "s" if cores > 1 else ""
+    source = (
+        f"{cores} core{plural} x {ghz:.2f} GHz x {per_cycle} FLOP/cycle ({isa}, {_short(dtype)})"
+    )
+    return Peak(cores * ghz * 1e9 * per_cycle / 1e12, source)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def device_peak_tflops(device: torch.device, cfg: MetricsConfig, dtype: torch.dtype) -> Peak:
+    """Peak TFLOP/s used as the MFU denominator: the config's value, the GPU's datasheet (dense
+    bf16), or the CPU's theoretical peak for the cores this rank uses."""
     if device.type == "cuda":
         if cfg.device_peak_tflops > 0:
-            return cfg.device_peak_tflops
+            return Peak(cfg.device_peak_tflops, "metrics.device_peak_tflops")
         name = torch.cuda.get_device_name(device)
         for fragment, peak in _GPU_PEAK_TFLOPS.items():
             if fragment in name:
-                return peak
+                return Peak(peak, f"{fragment} datasheet, dense bf16")
         logger.warning(
             "Unknown GPU %r: MFU uses the H100 peak; set metrics.device_peak_tflops", name
         )
-        return _GPU_PEAK_TFLOPS["H100"]
+        return Peak(_GPU_PEAK_TFLOPS["H100"], f"unknown GPU {name!r}: the H100's")
     if cfg.cpu_peak_tflops > 0:
-        return cfg.cpu_peak_tflops
-    peak = measure_cpu_peak_tflops(dtype)
-    logger.info("Measured CPU matmul peak: %.3f TFLOP/s (%s); used for MFU", peak, dtype)
-    return peak
+        return Peak(cfg.cpu_peak_tflops, "metrics.cpu_peak_tflops")
+    return cpu_peak_tflops(dtype, torch.get_num_threads())
 
 
 @dataclass
@@ -198,6 +249,8 @@ class MetricsProcessor:
     peak_tflops: float
     memory: MemoryMonitor
     sinks: list[MetricsSink] = field(default_factory=list)
+    peak_source: str = ""  # where peak_tflops came from, for the warning of an MFU above 100%
+    _warned: bool = False
     _tokens: int = 0
     _data_s: float = 0.0
     _steps: int = 0
@@ -240,6 +293,15 @@ class MetricsProcessor:
             **self.memory.read(),
             **(extra or {}),
         }
+        if metrics["mfu_pct"] > 100 and not self._warned:
+            self._warned = True
+            logger.warning(
+                "mfu %.1f%% is above 100%%: the peak it divides by (%.4g TFLOP/s: %s) is too low "
+                "for this device; set metrics.cpu_peak_tflops or metrics.device_peak_tflops",
+                metrics["mfu_pct"],
+                self.peak_tflops,
+                self.peak_source or "given",
+            )
         for sink in self.sinks:
             sink.log(step, metrics)
         self._tokens, self._data_s, self._steps = 0, 0.0, 0

@@ -50,6 +50,11 @@ class MlflowSink:
         """Queue the step's metrics (returns at once)."""
         self._queue.put((step, int(time.time() * 1000), dict(metrics)))
 
+    def log_params(self, params: dict[str, str]) -> None:
+        """Queue params of the run (e.g. the peak MFU divides by); returns at once. A retried
+        attempt that logs a different value keeps the first (MLflow params never change)."""
+        self._queue.put(dict(params))
+
     def close(self) -> None:
         """Send everything still queued, then stop the thread."""
         self._queue.put(_CLOSE)
@@ -63,9 +68,23 @@ class MlflowSink:
 
         client = MlflowClient(tracking_uri=self.tracking_uri)
         while (item := self._queue.get()) is not _CLOSE:
+            if isinstance(item, dict):
+                self._send_params(client, item)
+                continue
             step, timestamp, metrics = item
             batch = [Metric(mlflow_name(k), float(v), timestamp, step) for k, v in metrics.items()]
             self._send(client, batch, step)
+
+    def _send_params(self, client: Any, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        try:
+            known = client.get_run(self.run_id).data.params
+            new = [Param(k, v) for k, v in params.items() if k not in known]
+            if new:
+                client.log_batch(self.run_id, params=new)
+        except Exception as e:  # a tracking hiccup must never end a training run
+            logger.warning("MLflow sink: params not logged: %s", _first_line(e))
 
     def _send(self, client: Any, batch: list[Any], step: int) -> None:
         for attempt in range(_ATTEMPTS):

@@ -551,7 +551,8 @@ class Metrics:
     color: Literal["auto", "always", "never"] = "auto"
     """Colour the console line: auto (when a terminal), always or never."""
     cpu_peak_tflops: float = 0.0
-    """Peak TFLOP/s used for MFU on CPU; 0 measures a matmul peak at start-up."""
+    """Peak TFLOP/s per rank used for MFU on CPU; 0 uses the CPU's theoretical peak (cores x
+    clock x FLOPs per cycle of its vector instructions)."""
     device_peak_tflops: float = 0.0
     """Override the GPU peak TFLOP/s used for MFU; 0 looks it up by device name."""
 
