@@ -108,7 +108,8 @@ def run_tracked(
         end_pipeline_run(tracking, "FAILED")
         raise
     end_pipeline_run(tracking, "FINISHED")
-    return {**result, "mlflow_run_id": tracking.parent_run_id if tracking else ""}
+    ids = {"mlflow_run_id": tracking.parent_run_id, "mlflow_experiment_id": tracking.experiment_id}
+    return {**result, **(ids if tracking else {"mlflow_run_id": "", "mlflow_experiment_id": ""})}
 
 
 # validate_parameters=False: the parameters are checked by flow_values/resolve_job, whose errors

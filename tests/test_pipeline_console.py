@@ -67,3 +67,52 @@ def _newest_flow_run(after: datetime.datetime) -> Any:
         )
     assert runs, "the pipeline run is not in the Prefect API"
     return max(runs, key=lambda run: run.start_time).id
+
+
+def test_the_printed_mlflow_ui_is_the_light_one_and_opens_the_training_view(
+    tmp_path: Path,
+) -> None:
+    """The `mlflow ui` line printed after a run starts one web worker and no job runner, and
+    its page is the run's experiment on MLflow's training view (not the GenAI one); a tracking
+    server gets the page on that server."""
+    import shlex
+    import time
+    import urllib.request
+
+    import psutil
+
+    from titan_core.cli.pipeline import mlflow_ui
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    line = mlflow_ui(uri, {"mlflow_experiment_id": "3"})
+    command, page = line.split("  (then open ")
+    assert page == "http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning)"
+    server = mlflow_ui("http://mlflow.internal:5000/", {"mlflow_experiment_id": "3"})
+    assert server == "http://mlflow.internal:5000/#/experiments/3?workflowType=machine_learning"
+
+    words = shlex.split(command)
+    env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+    argv = [w for w in words if w not in {f"{k}={v}" for k, v in env.items()}]
+    port = free_port()
+    argv[0] = str(Path(sys.executable).parent / "mlflow")
+    proc = subprocess.Popen(
+        [*argv, "--port", str(port)], env={**os.environ, **env}, cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, (
+                    "mlflow ui did not start"
+                )
+                time.sleep(0.5)
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        assert len(tree) <= 3, [p.cmdline() for p in tree]  # the default starts 15
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
