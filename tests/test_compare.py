@@ -225,7 +225,15 @@ def test_compare_with_the_pipelines_recipe_reads_its_default_store(
     looked = tmp_path / "outputs" / "llama3_debugmodel" / "mlflow.db"
     assert code == 2 and err == (
         f"error: job.experiment: no MLflow experiment named 'titan' in sqlite:///{looked}; other "
-        f"stores: outputs/{recipe}/mlflow.db (the recipe whose root holds one, or tracking.uri "
-        "sqlite:///PATH, reads it)"
+        f"stores: outputs/{recipe}/mlflow.db (titan compare --tracking.uri "
+        f"sqlite:///outputs/{recipe}/mlflow.db --experiment titan)"
     )
     assert not looked.parent.exists()
+    # The store exists but the experiment is another one (`make demo` records in "demo"): the
+    # line says which experiments it has, as the command that reads them.
+    code = titan_main(["compare", "--config", recipe, "--experiment", "titan-typo"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        f"error: job.experiment: no MLflow experiment named 'titan-typo' in sqlite:///{store}; "
+        "it has 'titan' (titan compare --experiment titan)"
+    )

@@ -176,10 +176,27 @@ def _sqlite_file(uri: str) -> str | None:
     return os.path.abspath(uri.removeprefix("sqlite:///"))
 
 
-def no_experiment(experiment: str, uri: str) -> ConfigError:
-    """The one-line error for a store without ``experiment``: names the store looked in and, for
-    a local SQLite store, the other ``mlflow.db`` files under ``./outputs`` (per-recipe roots)."""
+def _experiments(uri: str) -> list[str]:
+    """The experiments a store holds that a pipeline made (MLflow's empty ``Default`` left out);
+    none when it cannot be read."""
+    from mlflow import MlflowClient
+
+    try:
+        found = MlflowClient(tracking_uri=uri).search_experiments()
+    except Exception:  # another tool's file, an older schema: only a hint is lost
+        return []
+    return sorted(e.name for e in found if e.name != "Default")
+
+
+def no_experiment(experiment: str, uri: str, names: list[str] | None = None) -> ConfigError:
+    """The one-line error for a store without ``experiment``: names the store looked in and what
+    would read the runs that exist: the store's other experiments (``names``), or for a local
+    SQLite store that is missing, the ``mlflow.db`` files under ``./outputs`` (per-recipe roots)
+    with their experiments, as the command that compares them."""
     message = f"job.experiment: no MLflow experiment named {experiment!r} in {public_url(uri)}"
+    if names:
+        hint = " / ".join(f"titan compare --experiment {n}" for n in names[:3])
+        return ConfigError(f"{message}; it has {', '.join(map(repr, names))} ({hint})")
     looked = _sqlite_file(uri)
     if looked is None:
         return ConfigError(message)
@@ -187,10 +204,13 @@ def no_experiment(experiment: str, uri: str) -> ConfigError:
     found += sorted(glob.glob(os.path.join("outputs", "*", "mlflow.db")))
     others = [path for path in found if os.path.abspath(path) != looked]
     if others:
-        message += (
-            f"; other stores: {', '.join(others)} (the recipe whose root holds one, or "
-            "tracking.uri sqlite:///PATH, reads it)"
-        )
+        shown = []
+        for path in others:
+            names = _experiments(f"sqlite:///{os.path.abspath(path)}")
+            command = f"titan compare --tracking.uri sqlite:///{path}"
+            also = f", also {', '.join(names[1:])}" if len(names) > 1 else ""
+            shown.append(f"{path} ({command} --experiment {names[0]}{also})" if names else path)
+        message += f"; other stores: {', '.join(shown)}"
     return ConfigError(message)
 
 
@@ -207,7 +227,7 @@ def open_experiment(experiment: str, uri: str) -> tuple[Any, str]:
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        raise no_experiment(experiment, uri)
+        raise no_experiment(experiment, uri, _experiments(uri))
     return client, exp.experiment_id
 
 
