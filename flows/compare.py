@@ -19,6 +19,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.compare import compare_runs
+from tasks.runtime import name_flow_run
 from titan_core.config.form import ConfigForm, flow_values
 from titan_core.pipeline.compare import Comparison, compare_target
 from titan_core.pipeline.run.config import DEFAULT_RECIPE
@@ -56,4 +57,5 @@ def compare(
     """
     values = flow_values(config, overrides)
     name, uri = compare_target(recipe, config_file, values, experiment)
+    name_flow_run(f"compare/{name}", [f"experiment:{name}", "compare"])  # found in the UI
     return compare_runs(name, runs, uri, max_runs, log, parent_run_id)

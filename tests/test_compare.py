@@ -206,8 +206,15 @@ def test_compare_with_the_pipelines_recipe_reads_its_default_store(
     result = json.loads(out[out.index("{") :])
     assert result["experiment"] == "titan" and result["tracking_uri"] == f"sqlite:///{store}"
     assert [r["run_id"] for r in result["runs"]] == [run_id]
-    flow_result = compare(recipe=recipe, runs=["only"])
-    assert [r["run_id"] for r in flow_result.runs] == [run_id]
+    state = compare(recipe=recipe, runs=["only"], return_state=True)
+    assert [r["run_id"] for r in state.result().runs] == [run_id]
+    # Found in the Prefect UI by what it compared: a name and tags, not a random name.
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:
+        flow_run = prefect.read_flow_run(state.state_details.flow_run_id)
+    assert flow_run.name == "compare/titan"
+    assert {"experiment:titan", "compare"} <= set(flow_run.tags)
     # MLFLOW_TRACKING_URI wins over the root's store, as for the pipeline; tracking.uri over it.
     uri, _ = tracking
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

@@ -469,6 +469,30 @@ def test_comparison_lists_swept_keys_and_losses(swept: dict[str, Any], tmp_path:
 
 
 @pytest.mark.multiprocess
+def test_compare_after_the_sweep_shows_its_trials_and_the_best(swept: dict[str, Any]) -> None:
+    """`titan compare` of the sweep's experiment (nothing else named): a row per trial, named
+    sweep-<id>/<trial>, the sweep's choice marked (best), each with its own numbers; the columns
+    say which statistic they are."""
+    from titan_core.pipeline.compare import compare_experiment
+
+    result = swept["result"]
+    compared = compare_experiment(EXPERIMENT, None, swept["uri"])
+    names = [t.name for t in result.trials]
+    best = f"sweep-{result.sweep_id}/{result.best.name} (best)"
+    expected = [f"sweep-{result.sweep_id}/{n}" for n in names]
+    expected[names.index(result.best.name)] = best
+    assert [r["run"] for r in compared.runs] == expected
+    by_run = {r["run"]: r for r in compared.runs}
+    for trial, name in zip(result.trials, expected, strict=True):
+        assert by_run[name]["run_id"] == trial.mlflow_run_id
+        if trial.status == "completed":
+            assert by_run[name]["final_loss"] == pytest.approx(trial.final_loss)
+    assert f"# Comparison of {len(names)} runs in `{EXPERIMENT}`" in compared.table_markdown
+    assert "| tokens/s (median) | MFU % (median) |" in compared.table_markdown
+    assert "the median over the logged steps" in compared.table_markdown
+
+
+@pytest.mark.multiprocess
 def test_best_trial_is_aliased(swept: dict[str, Any]) -> None:
     from mlflow import MlflowClient
 

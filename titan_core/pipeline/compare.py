@@ -37,6 +37,20 @@ PERPLEXITY_KEY = "eval/perplexity"
 _LEGACY = {LOSS_KEY: "loss", TPS_KEY: "tps", MFU_KEY: "mfu_pct"}
 COMPARE_STAGE = "compare"  # runs tagged titan.stage=compare are this module's own output
 PARENT_TAG = "mlflow.parentRunId"
+SWEEP_STAGE = "sweep"  # a sweep's parent run: compared as its trials
+TRIAL_TAG, SWEEP_ID_TAG = "titan.trial", "titan.sweep_id"  # on a sweep's trial runs
+SWEEP_BEST_TAG = "titan.sweep_best"  # "true" on the best trial of its sweep
+# What the table's columns are (the rates are medians, not the last value other views show).
+COLUMNS = {
+    "run": "run", "run_id": "run_id", "status": "status", "steps": "steps",
+    "final_loss": "final loss (last step)", "eval_perplexity": "eval perplexity",
+    "tokens_per_s": "tokens/s (median)", "mfu_pct": "MFU % (median)",
+}  # fmt: skip
+STATISTICS_NOTE = (
+    "Final loss: the last logged training step's. Tokens/s and MFU: the median over the logged "
+    "steps, the first (warm-up) left out. A sweep is shown as its trials, `sweep-<id>/<trial>`; "
+    "(best) marks the trial the sweep chose."
+)
 PLOT_NAME = "loss_curves.png"
 
 
@@ -138,11 +152,19 @@ def _longest_history(client: Any, owners: list[Any], key: str) -> list[tuple[int
     return best
 
 
+def display_name(run: Any) -> str:
+    """A run's name in the table: a sweep's trial as ``sweep-<id>/<trial>`` (``(best)`` on the
+    sweep's choice), other runs by their name."""
+    tags = run.data.tags
+    if TRIAL_TAG in tags:
+        best = " (best)" if tags.get(SWEEP_BEST_TAG) == "true" else ""
+        return f"sweep-{tags.get(SWEEP_ID_TAG, '?')}/{tags[TRIAL_TAG]}{best}"
+    return run.info.run_name or run.info.run_id
+
+
 def summarize_run(client: Any, run: Any) -> RunSummary:
     """Collect one run's final loss, eval perplexity, throughput, MFU, params and loss curve."""
-    summary = RunSummary(
-        run_id=run.info.run_id, name=run.info.run_name or run.info.run_id, status=run.info.status
-    )
+    summary = RunSummary(run_id=run.info.run_id, name=display_name(run), status=run.info.status)
     owners = _metric_owners(client, run)
     for owner in reversed(owners):  # the parent's params win over a stage's
         summary.params.update(owner.data.params)
@@ -234,7 +256,8 @@ def open_experiment(experiment: str, uri: str) -> tuple[Any, str]:
 def select_runs(
     client: Any, experiment_id: str, experiment: str, run_ids: list[str], max_runs: int
 ) -> list[Any]:
-    """The chosen runs (ids or names, in that order), else the newest top-level runs."""
+    """The chosen runs (ids or names, in that order), else the newest top-level runs; a sweep
+    stands for its trials."""
     runs = client.search_runs([experiment_id], order_by=["attributes.start_time DESC"])
     runs = [r for r in runs if r.data.tags.get(STAGE_TAG) != COMPARE_STAGE]
     top = [r for r in runs if PARENT_TAG not in r.data.tags]
@@ -248,10 +271,20 @@ def select_runs(
                 f"compare.runs: no run {', '.join(missing)} in experiment {experiment!r} "
                 "(expected run ids or run names)"
             )
-        return [by_key[k] for k in run_ids]
+        return [t for k in run_ids for t in _as_trials(by_key[k], runs)]
     if not top:
         raise ConfigError(f"job.experiment: experiment {experiment!r} has no runs")
-    return list(reversed(top[:max_runs]))  # oldest first reads naturally in tables and legends
+    # Oldest first reads naturally in tables and legends.
+    return [t for run in reversed(top[:max_runs]) for t in _as_trials(run, runs)]
+
+
+def _as_trials(run: Any, runs: list[Any]) -> list[Any]:
+    """A sweep's run as its trials' runs (its own numbers are theirs), in the order they
+    started; any other run as itself."""
+    if run.data.tags.get(STAGE_TAG) != SWEEP_STAGE:
+        return [run]
+    trials = [r for r in runs if r.data.tags.get(PARENT_TAG) == run.info.run_id]
+    return sorted(trials, key=lambda r: r.info.start_time or 0) or [run]
 
 
 def plot_loss_curves(runs: list[RunSummary], path: str, title: str) -> str:
@@ -295,11 +328,13 @@ def render_markdown(
 ) -> str:
     """The comparison for people: headline table, differing config keys, the loss curves (a
     markdown image: ``titan_core.pipeline.run.report.markdown_image``, or "" for none)."""
-    head = ["run", "run_id", "status", "steps", "final_loss", "eval_perplexity"]
-    head += ["tokens_per_s", "mfu_pct"]
+    head = list(COLUMNS)
     lines = [f"# Comparison of {len(runs)} runs in `{experiment}`", ""]
     rows = [run.row() | {"run_id": f"`{run.run_id[:8]}`"} for run in runs]
-    lines += markdown_table(head, [[_fmt(row[h]) for h in head] for row in rows])
+    lines += markdown_table(
+        [COLUMNS[h] for h in head], [[_fmt(row[h]) for h in head] for row in rows]
+    )
+    lines += ["", STATISTICS_NOTE]
     lines += ["", "## Config keys that differ", ""]
     if diff:
         names = [f"{r.name} (`{r.run_id[:8]}`)" for r in runs]

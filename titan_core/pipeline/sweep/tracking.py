@@ -20,6 +20,10 @@ from titan_core.config.job import JobConfig
 from titan_core.pipeline.compare import (
     LOSS_KEY,
     PLOT_NAME,
+    SWEEP_BEST_TAG,
+    SWEEP_ID_TAG,
+    SWEEP_STAGE,
+    TRIAL_TAG,
     RunSummary,
     plot_loss_curves,
     summarize_run,
@@ -47,8 +51,7 @@ from titan_core.pipeline.sweep.report import (
     render_markdown,
 )
 
-SWEEP_STAGE = "sweep"
-SWEEP_TAG = "titan.sweep_id"
+SWEEP_TAG = SWEEP_ID_TAG
 
 
 def start_sweep_run(cfg: JobConfig, plan: SweepPlan, flow_run_id: str = "") -> TrackingContext:
@@ -171,7 +174,7 @@ def trial_rows(
                 model_version=model_version(mlflow_client, plan.model_name, run.info.run_id),
             )
             mlflow_client.set_tag(run.info.run_id, SWEEP_TAG, plan.sweep_id)
-            mlflow_client.set_tag(run.info.run_id, "titan.trial", name)
+            mlflow_client.set_tag(run.info.run_id, TRIAL_TAG, name)
         rows.append(row)
     return rows, summaries
 
@@ -257,6 +260,8 @@ def record_comparison(
         if len(note) > NOTE_LIMIT:  # MLflow's limit on a tag value
             note = note[: NOTE_LIMIT - 60].rsplit("\n", 1)[0] + "\n\n… (the rest: comparison.md)\n"
         client(tracking.uri).set_tag(tracking.parent_run_id, NOTE_TAG, note)
+    if best is not None and best.mlflow_run_id:  # what `titan compare` marks (best)
+        client(tracking.uri).set_tag(best.mlflow_run_id, SWEEP_BEST_TAG, "true")
     alias = alias_best(tracking, plan, best)
     if best is not None and best.metric is not None:
         client(tracking.uri).log_metric(tracking.parent_run_id, f"best/{plan.metric}", best.metric)
