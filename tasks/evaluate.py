@@ -12,7 +12,7 @@ from tasks.common import retry_transient
 from tasks.runtime import run_logger
 from titan_core.config.job import JobConfig
 from titan_core.pipeline.run.tracking import TrackingContext
-from titan_core.pipeline.stages.evaluation import Evaluation, evaluate_stage
+from titan_core.pipeline.stages.evaluation import Evaluation, evaluate_stage, report_markdown
 
 
 @task(
@@ -33,7 +33,12 @@ def evaluate(
     checkpoint run's ``config.toml``; ``overrides``: dotted keys set on it) and write
     ``<output>/eval/report.{json,md}`` (default output: the checkpoint's run root); returns the
     metrics and the report's URL."""
+    from prefect.artifacts import create_markdown_artifact
+
     result = evaluate_stage(checkpoint_url, job, output, tracking, overrides)
+    create_markdown_artifact(  # the greedy samples, readable in the UI without opening files
+        report_markdown(result), key="evaluation-report", description="Evaluation report"
+    )
     metrics = result.metrics
     run_logger().info(
         "Step %d: eval loss %.4f, perplexity %.3f, bits/byte %.4f (%s tokens)",

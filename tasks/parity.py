@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 
 from titan_core.pipeline.parity import LayoutLosses, train_parity_layout, write_parity_seed
+from titan_core.pipeline.run.common import relay_line
 
 
 @task(task_run_name="parity-seed")
@@ -26,7 +27,14 @@ def train_layout(
     """Train one layout from the seed checkpoint under torchrun; returns its per-step losses."""
     logger = get_run_logger()
     result = train_parity_layout(
-        name, nproc, args, seed, output, steps, on_line=logger.info, timeout=timeout
+        name,
+        nproc,
+        args,
+        seed,
+        output,
+        steps,
+        on_line=lambda line: relay_line(logger, line),
+        timeout=timeout,
     )
     logger.info("layout %s: final loss %.6f", name, result.final)
     return result

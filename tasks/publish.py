@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.common import retry_transient
 from tasks.runtime import run_logger
 from titan_core.pipeline.run.common import redact
-from titan_core.pipeline.run.tracking import TrackingContext
+from titan_core.pipeline.run.tracking import TrackingContext, run_page_markdown
 from titan_core.pipeline.stages.evaluation import Evaluation
 from titan_core.pipeline.stages.publish import (
     Publication,
@@ -46,6 +46,10 @@ def publish(
     )
     for key, (markdown, description) in locations(pub).items():
         create_markdown_artifact(markdown, key=key, description=description)
+    if tracking is not None:  # the flow run's way to its MLflow run
+        create_markdown_artifact(
+            run_page_markdown(tracking), key="mlflow-run", description="The run in MLflow"
+        )
     outcome = " (new champion)" if pub.champion else " (champion unchanged)"
     registered = f"model {pub.model_name} v{pub.model_version}{outcome}"
     run_logger().info(

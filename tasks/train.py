@@ -21,7 +21,7 @@ from tasks.runtime import run_logger
 from titan_core import storage
 from titan_core.checkpoint.manager import complete_steps
 from titan_core.config.job import JobConfig
-from titan_core.pipeline.run.common import redact
+from titan_core.pipeline.run.common import redact, relay_line
 from titan_core.pipeline.run.params import record_seed
 from titan_core.pipeline.run.tracking import TrackingContext, log_config, stage_run
 from titan_core.pipeline.run.transfer import refresh, upload_folder
@@ -82,7 +82,7 @@ def train(
         launcher = get_launcher(cfg.launch)
         logger.info("Launching (%s): %s", cfg.launch.backend, redact(launcher.render(spec)))
         try:
-            result = launcher.run(spec, on_line=lambda line: logger.info(redact(line)))
+            result = launcher.run(spec, on_line=lambda line: relay_line(logger, line))
         finally:  # the guard's incidents are shown whether it stopped the job or not
             if table := report_health(tracking, mlflow_run_id, side):
                 from prefect.artifacts import create_markdown_artifact

@@ -295,6 +295,14 @@ def test_prefect_flow_and_every_task_completed(first_run: dict) -> None:
         )
     by_key = {a.key: a for a in artifacts}
     assert {"run-summary", "run-metrics", "run-root", "hf-export"} <= set(by_key)
+    # The evaluation's report with its greedy samples, and the way to the run in MLflow.
+    assert "## Greedy samples" in by_key["evaluation-report"].data
+    mlflow_run = by_key["mlflow-run"].data
+    assert first_run["result"]["mlflow_run_id"] in mlflow_run
+    experiment_id = first_run["result"]["mlflow_experiment_id"]
+    assert f"/#/experiments/{experiment_id}/runs/{first_run['result']['mlflow_run_id']}" in (
+        mlflow_run
+    )
     # Where the run lives, in a form that opens: the S3 URL and the CLI command, not file://.
     root = first_run["result"]["run_root"]
     assert by_key["run-root"].type == "markdown" and "aws s3 ls" in by_key["run-root"].data

@@ -81,7 +81,7 @@ def test_the_printed_mlflow_ui_is_the_light_one_and_opens_the_training_view(
 
     import psutil
 
-    from titan_core.cli.pipeline import mlflow_ui
+    from titan_core.pipeline.run.tracking import mlflow_ui
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     line = mlflow_ui(uri, {"mlflow_experiment_id": "3"})
@@ -116,3 +116,32 @@ def test_the_printed_mlflow_ui_is_the_light_one_and_opens_the_training_view(
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=30)
+
+
+def test_rank_lines_reach_prefect_at_the_level_they_read_as() -> None:
+    """Torch's warnings and titan's WARNING/ERROR lines stand out in the Prefect UI's log
+    filter instead of all reading as INFO."""
+    import logging
+
+    from titan_core.pipeline.run.common import relay_line
+
+    seen: list[tuple[int, str]] = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append((record.levelno, record.getMessage()))
+
+    logger = logging.getLogger("relay-test")
+    logger.addHandler(Recorder())
+    logger.setLevel(logging.DEBUG)
+    lines = [
+        "[rank0]:[titan] 10:01:09 INFO step:     4  loss:   8.1129",
+        "[rank1]:/x/torch/distributed/tensor/_dispatch.py:342: UserWarning: DTensor random ops",
+        "[rank0]:[titan] 10:01:09 WARNING health: step 3: nonfinite loss nan -> skip",
+        "[rank0]:[titan] 10:01:09 ERROR something failed",
+        "[rank0]:[titan] 10:01:09 INFO the WarningCount of a model is not a warning",
+    ]
+    for line in lines:
+        relay_line(logger, line)
+    levels = [level for level, _ in seen]
+    assert levels == [logging.INFO, logging.WARNING, logging.WARNING, logging.ERROR, logging.INFO]

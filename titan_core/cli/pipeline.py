@@ -82,30 +82,10 @@ def flow_kwargs(config: ConfigArgs) -> dict[str, Any]:
     return {"recipe": recipe, "config_file": config.config_file, "overrides": values}
 
 
-# The light `mlflow ui`: one web worker and no job runner (2 processes, ~0.5 GB, against 15 and
-# ~3.2 GB by default, measured with MLflow 3.17). docs/tracking.md says why.
-MLFLOW_UI = (
-    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri {uri} --workers 1"
-)
-# MLflow 3's UI opens on its GenAI views; this opens the run's experiment on the training view.
-EXPERIMENT_PAGE = "{base}/#/experiments/{id}?workflowType=machine_learning"
-
-
-def mlflow_ui(uri: str, result: dict[str, Any]) -> str:
-    """How to see the run in MLflow: the page on a tracking server, or the command that serves
-    a local store and the page to open."""
-    experiment = result.get("mlflow_experiment_id", "")
-    if uri.startswith(("http://", "https://")):
-        return EXPERIMENT_PAGE.format(base=uri.rstrip("/"), id=experiment) if experiment else uri
-    command = MLFLOW_UI.format(uri=uri)
-    if experiment:
-        page = EXPERIMENT_PAGE.format(base="http://127.0.0.1:5000", id=experiment)
-        command += f"  (then open {page})"
-    return command
-
-
 def where_to_look(result: dict[str, Any], prefect_home: str) -> str:
     """The lines printed after a run: artifacts, the MLflow UI and the Prefect UI commands."""
+    from titan_core.pipeline.run.tracking import mlflow_ui
+
     lines = [
         f"pipeline: run {result['run_id']} done; artifacts in {result['run_root']}",
         f"  Hugging Face export: {result['hf']}   eval report: {result['eval_report']}",

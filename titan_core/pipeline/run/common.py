@@ -83,3 +83,21 @@ def titan_logger() -> logging.Logger:
 
     init_logger()
     return logger
+
+
+# A rank's line that is a warning or an error: titan's own level word, or Python's warnings
+# (`…/x.py:12: UserWarning: …`).
+_WARNING_LINE = re.compile(r"\bWARNING\b|\b[A-Z]\w*Warning: ")
+_ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b")
+
+
+def relay_line(logger: Any, line: str) -> None:
+    """Log a line a rank printed at the level it reads as (warnings and errors stand out in
+    the Prefect UI's log filter), secrets redacted."""
+    line = redact(line)
+    if _ERROR_LINE.search(line):
+        logger.error(line)
+    elif _WARNING_LINE.search(line):
+        logger.warning(line)
+    else:
+        logger.info(line)

@@ -31,6 +31,13 @@ class Evaluation:
     """``EVAL_METRICS``: held-out loss, perplexity, bits per byte, tokens evaluated."""
 
 
+def report_markdown(evaluation: Evaluation) -> str:
+    """The evaluation's ``report.md`` (metrics and the greedy samples), for the evaluate task's
+    Prefect artifact; secrets redacted."""
+    folder = evaluation.report_url.rsplit("/", 1)[0]
+    return redact(storage.read_text(storage.join(folder, "report.md")))
+
+
 def log_report(tracking: TrackingContext | None, run_id: str, report_dir: str) -> None:
     """Attach the report files to the stage's MLflow run (secrets redacted)."""
     if tracking is None or not run_id:
