@@ -159,6 +159,8 @@ def test_deploy_registers_every_deployment(stack: Stack) -> None:
         ]
         crons = sorted(s["cron"] for s in entry.get("schedules") or [])
         assert sorted(s.schedule.cron for s in dep.schedules) == crons
+        # A schedule says its timezone (the UI shows "at 03:00 UTC", not a bare time).
+        assert all(s.schedule.timezone == "UTC" for s in dep.schedules), dep.schedules
 
 
 def test_compare_deployment_with_tracking_server(stack: Stack, s3_server: Any) -> None:
