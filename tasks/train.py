@@ -30,6 +30,7 @@ from titan_core.pipeline.stages.training import (
     discard_late_stop,
     health_counts,
     health_rows,
+    record_train_run,
     report_health,
     tag_stopped,
     trained_to,
@@ -83,6 +84,7 @@ def train(
         logger.info("Launching (%s): %s", cfg.launch.backend, redact(launcher.render(spec)))
         try:
             result = launcher.run(spec, on_line=lambda line: relay_line(logger, line))
+            record_train_run(tracking, mlflow_run_id, side, config_url)
         finally:  # the guard's incidents are shown whether it stopped the job or not
             if table := report_health(tracking, mlflow_run_id, side):
                 from prefect.artifacts import create_markdown_artifact

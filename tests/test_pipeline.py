@@ -175,7 +175,7 @@ def _stored_params(s3_server: Any, run_root: str) -> dict[str, str]:
             if isinstance(v, dict):  # a nested section such as [launch.slurm]
                 out |= flat(v, f"{prefix}{key}.")
             else:
-                out[prefix + key] = ",".join(map(str, v)) if isinstance(v, list) else str(v)
+                out[prefix + key] = json.dumps(v) if isinstance(v, list) else str(v)
         return out
 
     return flat(tomllib.loads(text), "")
@@ -196,6 +196,10 @@ def test_mlflow_parent_and_stage_runs(first_run: dict, line: dict, s3_server: An
     # The params are the config the ranks ran, key for key: the run's config.toml (auto values
     # resolved by preflight, the seed recorded); the train stage run carries the same.
     stored = _stored_params(s3_server, first_run["result"]["run_root"])
+    # Tracking settings left empty in the config are logged as used: the registered model
+    # defaults to the experiment (the store is this line's tracking.uri, given).
+    assert stored["tracking.registered_model"] == "" and stored["tracking.uri"] == line["tracking"]
+    stored["tracking.registered_model"] = EXPERIMENT
     assert params == stored
     auto = ["model.vocab_size", "model.n_layers", "model.max_seq_len"]
     auto += ["parallelism.data_parallel_shard_degree", "validation.local_batch_size"]
@@ -241,6 +245,20 @@ def test_mlflow_parent_and_stage_runs(first_run: dict, line: dict, s3_server: An
         first_run["result"]["metrics"]["eval/loss"]
     )
     assert parent.data.metrics["eval/perplexity"] > 1
+    # Every stage run reads on its own: the convert and evaluate runs carry the config too, the
+    # train run its metrics.jsonl and config; a list param is JSON (items may hold commas).
+    assert stages["convert"].data.params == stages["evaluate"].data.params == stored
+    assert json.loads(stored["evaluate.prompts"]) == ["The Python language", "To be, or not to be,",
+                                                      "A list comprehension"]  # fmt: skip
+    train_files = {a.path for a in client.list_artifacts(stages["train"].info.run_id, "train")}
+    assert train_files == {"train/metrics.jsonl", "train/config.toml"}
+    # The parent: a description (the run summary), a source, curves, the model card.
+    assert tags["mlflow.note.content"].startswith(f"# Run `{parent.info.run_name}`")
+    assert tags["mlflow.source.name"].startswith("titan pipeline: ")
+    parent_curve = client.get_metric_history(parent.info.run_id, "train/loss")
+    assert {m.step for m in parent_curve} == {1, 2, 3, 4}
+    run_files = {a.path for a in client.list_artifacts(parent.info.run_id, "run")}
+    assert {"run/config.toml", "run/summary.md", "run/model_card.md"} <= run_files
 
 
 def test_registered_model_version_loads_in_transformers(

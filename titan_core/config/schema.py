@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import json
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -301,17 +302,18 @@ def to_toml(cfg: JobConfig) -> str:
 
 
 def flatten(cfg: JobConfig) -> dict[str, Scalar]:
-    """Dotted keys to scalars (lists joined with commas), e.g. for MLflow params."""
+    """Dotted keys to scalars (lists as JSON), e.g. for MLflow params."""
     return flatten_tables(to_dict(cfg))
 
 
 def flatten_tables(tables: dict[str, Any], prefix: str = "") -> dict[str, Scalar]:
-    """Nested tables (``to_dict``, or a config's TOML) as dotted keys to scalars, lists joined
-    with commas: ``{"launch": {"slurm": {"partition": "gpu"}}}`` -> ``launch.slurm.partition``."""
+    """Nested tables (``to_dict``, or a config's TOML) as dotted keys to scalars, lists as JSON
+    (an item may hold a comma: ``["To be, or not to be,"]``):
+    ``{"launch": {"slurm": {"partition": "gpu"}}}`` -> ``launch.slurm.partition``."""
     out: dict[str, Scalar] = {}
     for name, value in tables.items():
         if isinstance(value, dict):
             out |= flatten_tables(value, f"{prefix}{name}.")
         else:
-            out[prefix + name] = ",".join(map(str, value)) if isinstance(value, list) else value
+            out[prefix + name] = json.dumps(value) if isinstance(value, list) else value
     return out

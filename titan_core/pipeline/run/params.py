@@ -18,7 +18,7 @@ from titan_core.config.schema import flatten_tables
 
 def config_params(config_url: str) -> dict[str, Any]:
     """The stored config as flat params: ``section.field`` (``section.sub.field`` in nested
-    sections) -> value, lists joined with commas, as ``titan_core.config.schema.flatten``."""
+    sections) -> value, lists as JSON, as ``titan_core.config.schema.flatten``."""
     return flatten_tables(tomllib.loads(storage.read_text(config_url)))
 
 

@@ -200,6 +200,9 @@ def run_tags(
     nesting = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
     return nesting | {
         STAGE_TAG: PARENT_STAGE,
+        # What MLflow's "Source" column shows: the pipeline and the recipe or config it ran.
+        "mlflow.source.name": f"titan pipeline: {cfg.job.description or cfg.model.name}",
+        "mlflow.source.type": "JOB",
         "mlflow.source.git.commit": commit,
         "git_commit": commit,
         "prefect.flow_run_id": flow_run_id,
@@ -229,7 +232,20 @@ def log_config(ctx: TrackingContext | None, run_id: str, config_url: str) -> Non
     logging the same values again (a retried stage) is allowed."""
     if ctx is None or not run_id:
         return
-    log_params(client(ctx.uri), run_id, config_params(config_url))
+    log_params(client(ctx.uri), run_id, config_params(config_url) | used_tracking(ctx, config_url))
+
+
+def used_tracking(ctx: TrackingContext, config_url: str) -> dict[str, str]:
+    """The tracking settings a run used where its config leaves them empty (the store it was
+    resolved to, without credentials; the registered model, which defaults to the experiment),
+    so that its params say where it went."""
+    params = config_params(config_url)
+    used = {}
+    if not params.get("tracking.uri"):
+        used["tracking.uri"] = public_url(ctx.uri)
+    if not params.get("tracking.registered_model"):
+        used["tracking.registered_model"] = ctx.experiment
+    return used
 
 
 def start_pipeline_run(
@@ -271,6 +287,25 @@ def find_stage_run(ctx: TrackingContext, stage: str) -> str | None:
         max_results=1,
     )
     return runs[0].info.run_id if runs else None
+
+
+def log_stage_config(ctx: TrackingContext | None, run_id: str, run_root: str) -> None:
+    """A convert or evaluate stage run's params: the stored config of the run it works on
+    (``<run_root>/config.toml``), as its train run has them; nothing when there is none."""
+    config_url = storage.join(run_root, "config.toml")
+    if ctx is not None and run_id and storage.exists(config_url):
+        log_config(ctx, run_id, config_url)
+
+
+def copy_curves(ctx: TrackingContext | None, run_id: str, keys: tuple[str, ...]) -> None:
+    """Every step of ``keys`` from stage run ``run_id`` onto the parent run, so that its charts
+    are curves, not the single final point."""
+    if ctx is None or not run_id:
+        return
+    mlflow_client = client(ctx.uri)
+    history = [m for key in keys for m in mlflow_client.get_metric_history(run_id, key)]
+    for i in range(0, len(history), 1000):  # MLflow's batch limit
+        mlflow_client.log_batch(ctx.parent_run_id, metrics=history[i : i + 1000])
 
 
 @contextlib.contextmanager

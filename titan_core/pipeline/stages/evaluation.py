@@ -12,7 +12,13 @@ from typing import Any
 from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.pipeline.run.common import redact
-from titan_core.pipeline.run.tracking import TrackingContext, client, log_metrics, stage_run
+from titan_core.pipeline.run.tracking import (
+    TrackingContext,
+    client,
+    log_metrics,
+    log_stage_config,
+    stage_run,
+)
 
 EVAL_METRICS = ("loss", "perplexity", "bits_per_byte", "num_tokens")
 
@@ -72,6 +78,7 @@ def evaluate_stage(
     from titan_core.evaluate.report import EVAL_DIR
 
     with stage_run(tracking, "evaluate") as run_id:
+        log_stage_config(tracking, run_id, checkpoint_run_root(checkpoint_url))
         report = evaluate_checkpoint(
             checkpoint_url, config=job, values=overrides, output=output or None
         )

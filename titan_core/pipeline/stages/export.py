@@ -9,7 +9,12 @@ from typing import Any
 
 from titan_core import storage
 from titan_core.config.job import JobConfig
-from titan_core.pipeline.run.tracking import TrackingContext, log_metrics, stage_run
+from titan_core.pipeline.run.tracking import (
+    TrackingContext,
+    log_metrics,
+    log_stage_config,
+    stage_run,
+)
 
 HF_DIR = "hf"
 
@@ -57,6 +62,7 @@ def export_checkpoint(
     tokenizer_path = cfg.tokenizer.path or str(default_tokenizer_path())
     model_args = build_model_args(cfg, Tokenizer(tokenizer_path).n_words)
     with stage_run(tracking, "convert") as run_id:
+        log_stage_config(tracking, run_id, cfg.job.dump_folder)  # the run's root: its config
         shards = dcp_to_hf(
             checkpoint_url,
             output,

@@ -179,8 +179,12 @@ def locations(pub: Publication) -> dict[str, tuple[str, str]]:
     return out
 
 
+NOTE_TAG = "mlflow.note.content"  # what MLflow's UI shows as a run's description
+
+
 def log_run_files(tracking: TrackingContext, pub: Publication) -> None:
-    """The summary (markdown, JSON) and the run's config as the parent run's ``run/`` artifacts."""
+    """The summary (markdown, JSON), the run's config and the model card as the parent run's
+    ``run/`` artifacts; the summary as its description."""
     with tempfile.TemporaryDirectory(prefix="titan-publish-") as tmp:
         files = {
             "summary.md": summary_markdown(pub),
@@ -189,10 +193,15 @@ def log_run_files(tracking: TrackingContext, pub: Publication) -> None:
         config = storage.join(pub.run_root, "config.toml")
         if storage.exists(config):
             files["config.toml"] = storage.read_text(config)
+        if pub.model_card and storage.exists(pub.model_card):  # the export's README.md
+            files["model_card.md"] = storage.read_text(pub.model_card)
         for name, text in files.items():
             with open(os.path.join(tmp, name), "w") as f:
                 f.write(redact(text))
-        client(tracking.uri).log_artifacts(tracking.parent_run_id, tmp, "run")
+        mlflow_client = client(tracking.uri)
+        mlflow_client.log_artifacts(tracking.parent_run_id, tmp, "run")
+    # The run's description in MLflow's UI (markdown): what it trained, where it is, how it did.
+    mlflow_client.set_tag(tracking.parent_run_id, NOTE_TAG, redact(summary_markdown(pub)))
 
 
 def publish_run(

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from titan_core import storage
 from titan_core.errors import first_line
 from titan_core.pipeline.run.common import Logger, redact, titan_logger
-from titan_core.pipeline.run.tracking import TrackingContext, client
+from titan_core.pipeline.run.tracking import TrackingContext, client, copy_curves
 from titan_core.stop_request import STOP_REQUEST, StopRecord, discard_stop_request
 
 STOPPED_TAG = "titan.stopped_at"  # MLflow tag of a pipeline run whose training was stopped early
@@ -151,6 +152,31 @@ def record_health(
             mlflow_client.set_tag(run_id, HEALTH_TAG, summary)
     if stage_run_id:
         mlflow_client.log_artifact(stage_run_id, os.path.join(side_folder, HEALTH_FILE))
+
+
+CURVES = ("train/loss", "train/grad_norm", "train/lr", "train/tps", "train/mfu_pct")
+
+
+def record_train_run(
+    tracking: TrackingContext | None, stage_run_id: str, side_folder: str, config_url: str
+) -> None:
+    """What a finished train stage leaves in MLflow besides its metrics: ``metrics.jsonl`` and
+    the run's ``config.toml`` (secrets redacted) as artifacts of the train run, and its curves
+    (``CURVES``, every logged step) on the pipeline's run."""
+    if tracking is None or not stage_run_id:
+        return
+    mlflow_client = client(tracking.uri)
+    with tempfile.TemporaryDirectory(prefix="titan-train-") as tmp:
+        sources = {
+            "metrics.jsonl": os.path.join(side_folder, "metrics.jsonl"),
+            "config.toml": config_url,
+        }
+        for name, source in sources.items():
+            if storage.exists(source):
+                with open(os.path.join(tmp, name), "w") as f:
+                    f.write(redact(storage.read_text(source)))
+        mlflow_client.log_artifacts(stage_run_id, tmp, "train")
+    copy_curves(tracking, stage_run_id, CURVES)
 
 
 def report_health(tracking: TrackingContext | None, stage_run_id: str, side_folder: str) -> str:
