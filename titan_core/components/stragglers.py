@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 MIN_GAP_S = 0.002  # a rank must be slower by at least this per step: timer noise on tiny steps
 MIN_SHARE = 0.05  # ... and by this share of the others' step: a slowness that costs the job time
-MIN_STEPS = 3  # timed steps a comparison needs; fewer (log_freq < 3) wait for the next log step
+MIN_STEPS = 5  # timed steps a comparison needs; fewer wait for the next log step (noise)
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on a CPU, ns ready in a run queue, timeslices
 _QUANTITIES = ("compute", "data_wait")
 
