@@ -12,6 +12,7 @@ command line.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from prefect import flow, tags, task
@@ -85,15 +86,25 @@ def deployment_name(deployment: str) -> str:
     return full
 
 
+# One line per trial as the sweep collects it, for a console that shows progress and nothing
+# else (`titan sweep` prints this logger and silences Prefect's console; the UI has everything).
+PROGRESS = logging.getLogger("titan.sweep.progress")
+PROGRESS.propagate = False
+
+
 def _outcome(plan: SweepPlan, trial: Trial, future: PrefectFuture[str]) -> TrialOutcome:
     """Wait for a trial's task; its status and, when it failed, its one-line error."""
     future.wait()
     state = future.state
+    done = f"[{trial.index}/{len(plan.trials)}] {plan.name(trial).split('/', 1)[-1]}"
     if state.is_completed():
+        PROGRESS.info("%s: completed", done)
         return TrialOutcome(trial.index, plan.run_id(trial), "completed")
     error = state.result(raise_on_failure=False)
     text = first_line(error) if isinstance(error, BaseException) else state.message or state.name
     run_logger().warning("%s failed: %s", plan.name(trial), text)
+    refused = isinstance(error, ConfigError)  # an expected refusal (preflight), not a crash
+    PROGRESS.info("%s: %s: %s", done, "refused" if refused else "failed", text)
     return TrialOutcome(trial.index, plan.run_id(trial), "failed", text)
 
 

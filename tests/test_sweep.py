@@ -426,6 +426,9 @@ def test_sweep_nests_four_trials_and_reports_the_refused_one(swept: dict[str, An
         filter_string=f"tags.`mlflow.parentRunId` = '{result.mlflow_run_id}'",
     )
     assert len(children) == 4
+    # Named by the trial first, so MLflow's run list tells them apart at a glance.
+    names = sorted(c.info.run_name for c in children)
+    assert names == [f"{t.name} · {result.sweep_id}" for t in result.trials]
     by_run_id = {c.data.tags["titan.run_id"]: c for c in children}
     assert sorted(by_run_id) == sorted(t.run_id for t in result.trials)
     statuses = sorted(c.info.status for c in children)
@@ -561,6 +564,15 @@ def test_titan_sweep_runs_a_random_search_and_prints_the_table(
     argv += ["--evaluate.batches", "1", "--job.experiment", "cli-sweep"]
     assert titan_main(argv) == 0
     out = capsys.readouterr().out
+    # A quiet console: what runs, one line per trial, the table once; no Prefect log lines
+    # (they are in the UI), no rank output, no progress bars.
+    lines = out.splitlines()
+    assert lines[0] == (
+        "sweep: 2 random draws of optimizer.lr, 2 at a time; every log line is in the Prefect UI"
+    )
+    assert [line.split(": ")[-1] for line in lines[1:3]] == ["completed", "completed"]
+    assert not any("Task run" in line or "[titan]" in line or "%|" in line for line in lines)
+    assert sum(line.startswith("trial ") for line in lines) == 1 and len(lines) <= 9, out
     space = {"optimizer.lr": {"log_uniform": [1e-4, 1e-2]}}
     drawn = [t.overrides["optimizer.lr"] for t in expand(random=space, trials=2, seed=3)]
     lines = out.splitlines()

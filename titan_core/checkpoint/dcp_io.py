@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import warnings
+
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from titan_core.checkpoint.safe_reader import SafeFileSystemReader, SafeFsspecReader
 from titan_core.storage import is_url
+
+# DCP warns on every single-process save or load (a seed checkpoint, a one-rank run, an export)
+# even when told so with no_dist=True, which titan does: the warning says nothing to a user.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+)
 
 
 def dcp_writer(path: str) -> StorageWriter:

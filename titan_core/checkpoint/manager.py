@@ -227,7 +227,12 @@ class CheckpointManager:
             self.reader(state, path)
             return
         try:
-            dcp.load(state, storage_reader=dcp_reader(path), planner=LoadPlanner())
+            dcp.load(
+                state,
+                storage_reader=dcp_reader(path),
+                planner=LoadPlanner(),
+                no_dist=not dist.is_initialized(),
+            )
         except dcp.CheckpointException as e:  # a BaseException: `except Exception` misses it
             # The first rank's own error says what went wrong; DCP's wrapper only lists ranks.
             cause = next(iter(e.failures.values()))[0] if e.failures else e
@@ -270,12 +275,17 @@ class CheckpointManager:
         writer = dcp_writer(path)
         start = time.perf_counter()
         if self.cfg.async_mode == "disabled" or blocking:
-            dcp.save(state, storage_writer=writer)
+            # One process without a process group (a seed, a single-rank run): say so to DCP.
+            dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
             self._commit(path, step, model_only)
             logger.info("Saved checkpoint %s in %.2fs", path, time.perf_counter() - start)
         else:
             result = dcp.async_save(
-                state, storage_writer=writer, process_group=self._pg, async_stager=self._stager
+                state,
+                storage_writer=writer,
+                process_group=self._pg,
+                async_stager=self._stager,
+                no_dist=not dist.is_initialized(),
             )
             if self._stager is not None:  # an AsyncSaveResponse: staging runs in background too
                 self._staging = result.staging_completion

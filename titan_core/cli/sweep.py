@@ -13,8 +13,13 @@ Prefect starts: a bad key or value is one ``error:`` line and nothing runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import os
 import re
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -132,10 +137,14 @@ def _run(argv: list[str]) -> int:
 
     kwargs = sweep_kwargs(argv)
     prepare_prefect_env()
-    from flows.sweep import sweep
+    from flows.sweep import PROGRESS, sweep
     from titan_core.pipeline.sweep.report import format_table
 
-    result = sweep(**kwargs)
+    # Concurrent trials' progress bars would interleave: off unless asked for.
+    kwargs["overrides"].setdefault("storage.progress", False)
+    print(f"sweep: {sweep_summary(kwargs)}; every log line is in the Prefect UI")
+    with quiet_console(PROGRESS):
+        result = sweep(**kwargs)
     print(format_table(result))
     if result.alias:
         print(
@@ -144,6 +153,56 @@ def _run(argv: list[str]) -> int:
         )
     print(f"MLflow: sweep run {result.mlflow_run_id} in {result.tracking_uri}")
     return 0
+
+
+@contextlib.contextmanager
+def quiet_console(progress: logging.Logger) -> Iterator[None]:
+    """The console of a sweep: its progress lines (``progress``), warnings of this process, and
+    the final table; not the trials' interleaved log lines (Prefect's console handlers and the
+    in-process stages' ``titan`` logger are quiet meanwhile; the Prefect UI keeps every line).
+    Everything is put back after."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from titan_core.logging import init_logger, logger
+
+    init_logger()
+    consoles = [
+        handler
+        for owner in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        for handler in getattr(owner, "handlers", [])
+        if isinstance(handler, PrefectConsoleHandler)
+    ]
+    mlflow_logger = logging.getLogger("mlflow")
+    saved = [h.level for h in consoles], logger.level, mlflow_logger.level
+    env = os.environ.get("MLFLOW_LOGGING_LEVEL")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("sweep: %(message)s"))
+    try:
+        for h in consoles:
+            h.setLevel(logging.CRITICAL + 1)
+        logger.setLevel(logging.WARNING)
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # "Creating initial tables"
+        mlflow_logger.setLevel(logging.WARNING)  # in case MLflow is imported already
+        progress.handlers[:] = [handler]
+        progress.setLevel(logging.INFO)
+        yield
+    finally:
+        progress.handlers[:] = []
+        for h, level in zip(consoles, saved[0], strict=True):
+            h.setLevel(level)
+        logger.setLevel(saved[1])
+        mlflow_logger.setLevel(saved[2])
+        if env is None:
+            os.environ.pop("MLFLOW_LOGGING_LEVEL", None)
+
+
+def sweep_summary(kwargs: dict[str, Any]) -> str:
+    """What is about to run, in one line."""
+    space = " x ".join(f"{k} ({len(v)})" for k, v in (kwargs.get("grid") or {}).items())
+    if kwargs.get("random"):
+        draws = f"{kwargs['trials']} random draws of {', '.join(kwargs['random'])}"
+        space = f"{space}, {draws}" if space else draws
+    return f"{space or 'one trial'}, {kwargs['concurrency']} at a time"
 
 
 def main(argv: list[str] | None = None) -> int:

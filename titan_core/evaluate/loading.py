@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
@@ -180,7 +181,11 @@ def load_weights(model: nn.Module, step_dir: str, flavor: str) -> None:
         with warnings.catch_warnings():
             # DCP warns on every single-process load, which is this tool's normal case.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": ModelState(model)}, storage_reader=dcp_reader(step_dir))
+            dcp.load(
+                {"model": ModelState(model)},
+                storage_reader=dcp_reader(step_dir),
+                no_dist=not dist.is_initialized(),
+            )
     except dcp.CheckpointException as e:  # a BaseException: `except Exception` misses it
         lines = [line for line in str(e).splitlines() if line.strip()]
         reason = lines[-1].strip() if lines else type(e).__name__  # the root cause comes last

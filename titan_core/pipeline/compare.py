@@ -17,6 +17,7 @@ import glob
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -279,12 +280,17 @@ def select_runs(
 
 
 def _as_trials(run: Any, runs: list[Any]) -> list[Any]:
-    """A sweep's run as its trials' runs (its own numbers are theirs), in the order they
-    started; any other run as itself."""
+    """A sweep's run as its trials' runs (its own numbers are theirs), in trial order (then
+    the order they started); any other run as itself."""
     if run.data.tags.get(STAGE_TAG) != SWEEP_STAGE:
         return [run]
+
+    def order(trial: Any) -> tuple[float, int]:
+        index = re.match(r"trial-(\d+)\b", trial.data.tags.get(TRIAL_TAG, ""))
+        return (int(index.group(1)) if index else math.inf, trial.info.start_time or 0)
+
     trials = [r for r in runs if r.data.tags.get(PARENT_TAG) == run.info.run_id]
-    return sorted(trials, key=lambda r: r.info.start_time or 0) or [run]
+    return sorted(trials, key=order) or [run]
 
 
 def plot_loss_curves(runs: list[RunSummary], path: str, title: str) -> str:

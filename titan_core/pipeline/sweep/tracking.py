@@ -175,6 +175,9 @@ def trial_rows(
             )
             mlflow_client.set_tag(run.info.run_id, SWEEP_TAG, plan.sweep_id)
             mlflow_client.set_tag(run.info.run_id, TRIAL_TAG, name)
+            # Named by what differs first: the run ids share the sweep's id as a long prefix,
+            # which MLflow's run list cuts to the same visible text for every trial.
+            mlflow_client.update_run(run.info.run_id, name=f"{name} · {plan.sweep_id}")
         rows.append(row)
     return rows, summaries
 
