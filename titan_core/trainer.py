@@ -124,7 +124,12 @@ class Trainer:
         h = cfg.health
         self.stragglers = (
             StragglerMonitor(h.straggler_factor, self.device, self.dist.world_size, pp_rank)
-            if h.enable and h.straggler_factor and self.dist.world_size > 1
+            # Simulated ranks (comm.mode fake_backend, local_tensor) share one process: nothing
+            # to compare, and local_tensor's collectives take only its own tensors.
+            if h.enable
+            and h.straggler_factor
+            and self.dist.world_size > 1
+            and cfg.comm.mode == "default"
             else None
         )
         self.checkpointer = CheckpointManager(
