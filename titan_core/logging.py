@@ -5,24 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
 
 logger = logging.getLogger("titan")
 RANK_PREFIX_ENV = "TITAN_LOG_RANK_PREFIX"
 """Set to 0 by titan's launchers: torchrun already tags each line ``[rankN]:`` there."""
-
-
-class _StdoutHandler(logging.StreamHandler):
-    """A handler on whatever ``sys.stdout`` is when a line is written, not the one that was
-    current when the logger was set up (a test's captured stream is closed after the test)."""
-
-    @property  # type: ignore[override]
-    def stream(self) -> Any:
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, _: Any) -> None:
-        pass
 
 
 def init_logger(level: int = logging.INFO) -> None:
@@ -33,7 +19,7 @@ def init_logger(level: int = logging.INFO) -> None:
     distributed = rank is not None and os.environ.get("WORLD_SIZE", "1") != "1"
     tagged_by_launcher = os.environ.get(RANK_PREFIX_ENV) == "0"
     prefix = f"[rank{rank}] " if distributed and not tagged_by_launcher else ""
-    handler = _StdoutHandler()
+    handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(
         logging.Formatter(f"{prefix}[titan] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )
