@@ -232,14 +232,14 @@ def log_config(ctx: TrackingContext | None, run_id: str, config_url: str) -> Non
     logging the same values again (a retried stage) is allowed."""
     if ctx is None or not run_id:
         return
-    log_params(client(ctx.uri), run_id, config_params(config_url) | used_tracking(ctx, config_url))
-
-
-def used_tracking(ctx: TrackingContext, config_url: str) -> dict[str, str]:
-    """The tracking settings a run used where its config leaves them empty (the store it was
-    resolved to, without credentials; the registered model, which defaults to the experiment),
-    so that its params say where it went."""
     params = config_params(config_url)
+    log_params(client(ctx.uri), run_id, params | used_tracking(ctx, params))
+
+
+def used_tracking(ctx: TrackingContext, params: dict[str, Any]) -> dict[str, str]:
+    """The tracking settings a run used where its config ``params`` leave them empty (the store
+    it was resolved to, without credentials; the registered model, which defaults to the
+    experiment), so that its params say where it went."""
     used = {}
     if not params.get("tracking.uri"):
         used["tracking.uri"] = public_url(ctx.uri)
