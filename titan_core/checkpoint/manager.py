@@ -31,6 +31,12 @@ from titan_core.errors import CheckpointError, storage_errors
 from titan_core.logging import logger
 from titan_core.models import model_from_description
 
+STAGER_SINGLE_USE = torch.__version__ < (2, 13)
+"""torch 2.11-2.12: ``DefaultStager`` closes its state-dict stager after its first staging, which
+empties the stager's copy table, so a second save with it fails (``KeyError: <class 'type'>``,
+seen on an H100 with torch 2.11). There every pinned-memory save gets a fresh stager (its pinned
+buffers are allocated again); torch 2.13 keeps one stager and its buffers for the whole run."""
+
 COMMIT_MARKER = ".titan_complete"
 SEED_DIR = "seed"
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -98,6 +104,8 @@ class CheckpointManager:
         self._pending: tuple[Future, int, bool] | None = None
         self._staging: Future | None = None
         self._stager: DefaultStager | None = None
+        self._stager_spent = False
+        self._staging_options: StagingOptions | None = None
         self.reader: Callable[[dict[str, Any], str], None] | None = None
         """Replaces DCP's load (COMM_MODE=local_tensor reads without collectives)."""
         self.hf_loader: Callable[[str, torch.nn.Module], None] | None = None
@@ -116,13 +124,13 @@ class CheckpointManager:
         if cfg.enable and cfg.async_mode == "async_with_pinned_mem":
             if torch.cuda.is_available():
                 # Copy GPU -> pinned CPU memory on a side stream while the next step computes.
-                options = StagingOptions(
+                self._staging_options = StagingOptions(
                     use_pinned_memory=True,
                     use_shared_memory=False,
                     use_async_staging=True,
                     use_non_blocking_copy=True,
                 )
-                self._stager = DefaultStager(options)
+                self._stager = DefaultStager(self._staging_options)
             else:
                 logger.info(
                     "checkpoint.async_mode=async_with_pinned_mem: no CUDA, so no pinned "
@@ -280,6 +288,9 @@ class CheckpointManager:
             self._commit(path, step, model_only)
             logger.info("Saved checkpoint %s in %.2fs", path, time.perf_counter() - start)
         else:
+            if self._stager is not None and self._stager_spent:
+                self._stager.close()
+                self._stager = DefaultStager(self._staging_options or StagingOptions())
             result = dcp.async_save(
                 state,
                 storage_writer=writer,
@@ -288,6 +299,7 @@ class CheckpointManager:
                 no_dist=not dist.is_initialized(),
             )
             if self._stager is not None:  # an AsyncSaveResponse: staging runs in background too
+                self._stager_spent = STAGER_SINGLE_USE
                 self._staging = result.staging_completion
                 result = result.upload_completion
             self._pending = (result, step, model_only)
