@@ -92,10 +92,19 @@ class MoEArgs:
         )
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's, where it is on for ``x``'s device."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point():
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 def use_grouped_mm(x: torch.Tensor) -> bool:
-    """Whether the grouped GEMM is the default for ``x``: CUDA bf16 (the fused kernels; other
-    devices and dtypes take the exact per-expert loop)."""
-    return x.is_cuda and x.dtype == torch.bfloat16
+    """Whether the grouped GEMM is the default for ``x``: CUDA, computing in bf16 (bf16 tensors,
+    or bf16 autocast; the fused kernels). Other devices and dtypes take the exact per-expert
+    loop."""
+    return x.is_cuda and _compute_dtype(x) == torch.bfloat16
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -155,7 +164,13 @@ def _experts_loop(
 def _experts_grouped(
     x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
 ) -> torch.Tensor:
-    """All experts in three grouped GEMMs; ``offs`` are the groups' end rows (no host sync)."""
+    """All experts in three grouped GEMMs; ``offs`` are the groups' end rows (no host sync).
+
+    The grouped GEMM is not on autocast's list, so under bf16 autocast (one GPU, no FSDP) the
+    float32 tokens and master weights are cast here, as autocast casts them for ``F.linear``;
+    under FSDP's bf16 parameters the casts are no-ops."""
+    dtype = _compute_dtype(x)
+    x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
     offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
     h = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs))
     h = h * F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
