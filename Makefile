@@ -6,8 +6,12 @@ PY := $(VENV)/bin/python
 # CPU machines take the CPU wheel of torch first, so the range in pyproject.toml pulls no CUDA.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The oldest torch the engine supports: its core tests (-m torch_range) run again with it, from
+# a folder that overlays the venv (.ci/torch_overlay.py).
+TORCH_OLDEST ?= 2.11.0
+TORCH_OLDEST_DIR ?= .torch-$(TORCH_OLDEST)
 
-.PHONY: setup assets demo test lint format clean
+.PHONY: setup assets demo test test-torch-oldest lint format clean
 
 setup: $(VENV)/.installed assets
 
@@ -33,6 +37,13 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) test-torch-oldest
+
+test-torch-oldest: setup
+	$(PY) .ci/torch_overlay.py $(TORCH_OLDEST) $(TORCH_OLDEST_DIR)
+	PYTHONPATH=$(TORCH_OLDEST_DIR) $(PY) -c "import torch; v = torch.__version__; \
+	  assert v.split('+')[0] == '$(TORCH_OLDEST)', v; print('engine core tests on torch', v)"
+	PYTHONPATH=$(TORCH_OLDEST_DIR) $(PY) -m pytest -q -m torch_range -p no:cacheprovider
 
 lint:
 	$(VENV)/bin/ruff check .
@@ -43,4 +54,4 @@ format:
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf outputs .pytest_cache .ruff_cache
+	rm -rf outputs .pytest_cache .ruff_cache .torch-*

@@ -101,6 +101,7 @@ def exported(job: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 # ---------------------------------------------------------------- round trip and layout
+@pytest.mark.torch_range
 def test_round_trip_is_bitwise(job: dict[str, Any], exported: Path, tmp_path: Path) -> None:
     assert cli.main(["hf-to-dcp", "--hf", str(exported), "--output", str(tmp_path / "dcp")]) == 0
     marker = json.loads((tmp_path / "dcp" / COMMIT_MARKER).read_text())
@@ -171,6 +172,7 @@ def test_hf_config_gives_back_the_model_args(flavor: str) -> None:
 
 
 # ---------------------------------------------------------------- transformers parity
+@pytest.mark.torch_range
 def test_transformers_loads_export(job: dict[str, Any], exported: Path) -> None:
     transformers = pytest.importorskip("transformers")
     # local_files_only: every load is local (and setting HF_HUB_OFFLINE here would leak into

@@ -20,6 +20,7 @@ from titan_core.models.llama3 import (
 )
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.torch_range  # all of it runs again on the oldest supported torch
 
 
 def _build(args: TransformerModelArgs, seed: int = 0) -> Transformer:

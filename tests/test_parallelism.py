@@ -17,7 +17,10 @@ pytestmark = pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "name, nproc, dp, extra, applied",
     [
-        ("FSDP 2", 2, 2, [], "Applied FSDP on mesh {'dp_shard': 2}"),
+        pytest.param(
+            *("FSDP 2", 2, 2, [], "Applied FSDP on mesh {'dp_shard': 2}"),
+            marks=pytest.mark.torch_range,
+        ),
         (
             "HSDP 2x2",
             4,

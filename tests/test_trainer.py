@@ -69,6 +69,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[in
     return _losses(run(parse_args(_args(dump))))
 
 
+@pytest.mark.torch_range
 def test_resume_is_bitwise_equal(tmp_path: Path, reference: dict[int, float]) -> None:
     dump = tmp_path / "run"
     first = _losses(run(parse_args(_args(dump, "--training.steps", "12"))))
