@@ -74,3 +74,29 @@ def test_final_line_refuses_a_goal_in_the_figure() -> None:
         sys.path.remove(str(ROOT / "bench"))
     with pytest.raises(ValueError):
         final_line("ratio", "0.9 (goal >= 0.8)", ">= 0.8")
+
+
+def test_gpu_profile_summary_splits_kernel_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/gpu.py --profile: host steps only (not their GPU-timeline copies), kernel time split
+    by kind, overlapping kernels counted once in the idle share."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import importlib
+
+    gpu = importlib.import_module("gpu")
+    step = {"name": "ProfilerStep#7", "ts": 0, "dur": 1000}
+    kernels = [
+        ("nvjet_sm90_tst_256x128", 0, 400),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 300, 200),  # overlaps the gemm
+        ("triton_per_fused_rms_norm_0", 600, 100),
+        ("void at::native::multi_tensor_apply_kernel<FusedAdam>", 800, 100),
+    ]
+    events = [{**step, "cat": "user_annotation"}, {**step, "cat": "gpu_user_annotation"}]
+    events += [{"cat": "kernel", "name": n, "ts": t, "dur": d} for n, t, d in kernels]
+    lines = gpu.summarize_trace({"traceEvents": events})
+    assert lines[0].startswith("profile of 1 steps (under the profiler): 1.0 ms/step")
+    # busy 0-500, 600-700 and 800-900 of the 1000 us step
+    assert "kernels 0.8 ms/step, GPU idle 30.0% of the step" in lines[0]
+    shares = {line.split()[0]: line.split()[-3] for line in lines[2:6]}
+    assert shares == {
+        "matmul": "50.0%", "attention": "25.0%", "fused": "12.5%", "optimizer": "12.5%"
+    }  # fmt: skip
