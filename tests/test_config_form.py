@@ -10,11 +10,13 @@ import pytest
 
 from titan_core.config.argv import cli_values
 from titan_core.config.form import (
+    RUN_FIELDS,
     ConfigForm,
     attribute_docstrings,
     flow_values,
     form_to_values,
     markdown_safe,
+    recipe_schema,
 )
 from titan_core.config.job import JobConfig, Training
 from titan_core.config.schema import schema as config_schema
@@ -44,9 +46,16 @@ def test_form_has_every_section_and_field_with_help_and_no_default() -> None:
                 assert "default" not in field and "anyOf" not in str(field), name
             assert field["title"] == name and field["description"].endswith("."), name
 
-    for section, ref in schema["properties"].items():
-        walk(section, ref["$ref"])
-    assert keys == list(config_schema(JobConfig))
+    # The run group first, then every section folded: null (untouched, submits nothing) until
+    # a user picks the section's form.
+    sections = schema["properties"]
+    assert list(sections) == ["run", *(f.name for f in dataclasses.fields(JobConfig))]
+    for section, prop in list(sections.items())[1:]:
+        assert prop["default"] is None and prop["anyOf"][1] == {"type": "null"}, section
+        assert prop["title"] == section and prop["description"].startswith(f"[{section}]")
+        walk(section, prop["anyOf"][0]["$ref"])
+    # Every key but the config file (the flows' config_file parameter) is in the form.
+    assert keys == [k for k in config_schema(JobConfig) if k != "job.config_file"]
     docs = attribute_docstrings(Training)
     steps = schema["$defs"]["TrainingForm"]["properties"]["steps"]
     assert steps["type"] == "integer"
@@ -58,6 +67,64 @@ def test_form_has_every_section_and_field_with_help_and_no_default() -> None:
     root = schema["$defs"]["JobForm"]["properties"]["dump_folder"]["description"]
     assert "`<dump_folder>/<experiment>/<run_id>/`" in root
     assert markdown_safe("in <a>/<b>/, then <c>.") == "in `<a>/<b>/`, then `<c>`."
+
+
+def test_run_group_comes_first_and_sets_its_keys() -> None:
+    schema = ConfigForm.model_json_schema()
+    run = schema["$defs"]["RunForm"]["properties"]
+    assert {name: field["title"] for name, field in run.items()} == RUN_FIELDS
+    assert run["steps"]["type"] == "integer" and "default" not in run["steps"]
+    assert "Sets training.steps. Default: 100 " in run["steps"]["description"]
+    assert run["lr"]["type"] == "number" and run["dataset"]["type"] == "string"
+    form = ConfigForm.model_validate({"run": {"steps": 5, "lr": 0.01}, "training": {"seq_len": 64}})
+    assert form_to_values(form) == {
+        "training.seq_len": 64,
+        "training.steps": 5,
+        "optimizer.lr": 0.01,
+    }
+    agree = ConfigForm.model_validate({"run": {"steps": 5}, "training": {"steps": 5}})
+    assert form_to_values(agree) == {"training.steps": 5}
+    disagree = ConfigForm.model_validate({"run": {"steps": 5}, "training": {"steps": 6}})
+    with pytest.raises(ConfigError, match=r"^config.run.steps \(5\) and config.training.steps"):
+        form_to_values(disagree)
+    with pytest.raises(ConfigError, match="the flow's config_file parameter sets it"):
+        flow_values({"job": {"config_file": "a.toml"}}, None)
+
+
+def test_recipe_schema_shows_the_recipes_values() -> None:
+    """What ``titan pipeline deploy`` does to a deployment's schema: every field's default is
+    the recipe's value (in its help and examples); booleans become plain switches at it."""
+    schema = {
+        "properties": {"recipe": {"type": "string"}, "config": {"anyOf": [
+            {"$ref": "#/definitions/ConfigForm"}, {"type": "null"}]}},
+        "definitions": ConfigForm.model_json_schema(ref_template="#/definitions/{model}")[
+            "$defs"] | {"ConfigForm": ConfigForm.model_json_schema()},
+    }  # fmt: skip
+    schema["definitions"]["ConfigForm"].pop("$defs")
+    cfg = resolve_job("llama3_debugmodel")
+    new = recipe_schema(schema, cfg, "recipe llama3_debugmodel")
+    defs = new["definitions"]
+    warmup = defs["LRSchedulerForm"]["properties"]["warmup_steps"]
+    assert warmup["examples"] == [cfg.lr_scheduler.warmup_steps]
+    assert warmup["description"].endswith(
+        f"Default: {cfg.lr_scheduler.warmup_steps}, from recipe llama3_debugmodel; engine "
+        "default 10 (empty keeps it)."
+    )
+    steps = defs["RunForm"]["properties"]["steps"]
+    engine = "" if cfg.training.steps == 100 else "; engine default 100"
+    assert steps["description"].endswith(
+        f"Sets training.steps. Default: {cfg.training.steps}, from recipe llama3_debugmodel"
+        f"{engine} (empty keeps it)."
+    )
+    enable = defs["CheckpointForm"]["properties"]["enable"]
+    assert enable["type"] == "boolean" and "anyOf" not in enable
+    assert enable["default"] is cfg.checkpoint.enable
+    assert "default" not in defs["TrainingForm"]["properties"]["steps"]  # numbers stay empty
+    assert schema["definitions"]["CheckpointForm"]["properties"]["enable"]["anyOf"]  # a copy
+    # Every boolean of every section is now a plain switch.
+    switches = [f for d in defs.values() for f in d.get("properties", {}).values()
+                if f.get("type") == "boolean"]  # fmt: skip
+    assert len(switches) > 20 and all("anyOf" not in f and "default" in f for f in switches)
 
 
 def test_form_to_values_gives_only_the_fields_set() -> None:
