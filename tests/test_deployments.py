@@ -41,7 +41,10 @@ from tracking_data import log_pipeline_run
 
 from titan_core.checkpoint.manager import complete_steps
 from titan_core.cli.deploy import DEFAULT_POOL
+from titan_core.config.form import RUN_FIELDS, flow_values
 from titan_core.config.job import JobConfig
+from titan_core.config.schema import get_value, to_dict
+from titan_core.resolve import resolve_job
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
@@ -286,7 +289,9 @@ def _runs_of(stack: Stack, deployment: str) -> list[Any]:
 
 def test_pipeline_parameters_are_the_config_form(stack: Stack) -> None:
     """The deployed schema has every section and field of the config, typed, with its
-    docstring and engine default as help and no default that would overwrite the recipe."""
+    docstring and the recipe's value as help, and no default that would overwrite the recipe:
+    the run group first, every section folded (null until opened), numbers empty, booleans
+    plain switches starting at the recipe's value (``titan pipeline deploy``'s rewrite)."""
     with api(stack.prefect) as client:
         dep = client.read_deployment_by_name("pretrain_pipeline/pretrain")
     assert dep.enforce_parameter_schema
@@ -298,36 +303,67 @@ def test_pipeline_parameters_are_the_config_form(stack: Stack) -> None:
     assert all(p.get("description") for p in params.values())
     defs = schema["definitions"]
     form = defs[params["config"]["anyOf"][0]["$ref"].rsplit("/", 1)[-1]]
+    recipe = resolve_job("llama3_debugmodel")
+    from_recipe = ", from recipe llama3_debugmodel"
 
-    def check_section(ref: str, cls: type) -> None:
+    def check_section(ref: str, cls: type, prefix: str) -> None:
         fields = defs[ref.rsplit("/", 1)[-1]]["properties"]
         hints = typing.get_type_hints(cls)
-        assert list(fields) == [f.name for f in dataclasses.fields(cls)], cls.__name__
+        names = [
+            f.name for f in dataclasses.fields(cls) if f"{prefix}{f.name}" != "job.config_file"
+        ]
+        assert list(fields) == names, cls.__name__
         for name, field in fields.items():
             if dataclasses.is_dataclass(hints[name]):  # a nested section ([launch.slurm])
                 assert "default" not in field, name
-                check_section(field["$ref"], hints[name])
+                check_section(field["$ref"], hints[name], f"{prefix}{name}.")
                 continue
-            assert "Default: " in field["description"], name
-            assert field.get("default") is None, name  # nothing would overwrite the recipe
-            assert field["title"] == name and len(field["examples"]) == 1, name
+            value = get_value(recipe, f"{prefix}{name}")
+            assert f"Default: {json.dumps(value)}{from_recipe}" in field["description"], name
+            assert field["examples"] == [value] and field["title"] == name, name
+            if field.get("type") == "boolean":  # a plain switch at the recipe's value
+                assert field["default"] is value and "anyOf" not in field, name
+            else:  # empty: nothing would overwrite the recipe
+                assert "default" not in field, name
 
     hints = typing.get_type_hints(JobConfig)
-    for section in dataclasses.fields(JobConfig):
-        check_section(form["properties"][section.name]["$ref"], hints[section.name])
-    assert list(form["properties"]) == [f.name for f in dataclasses.fields(JobConfig)]
+    sections = [f.name for f in dataclasses.fields(JobConfig)]
+    assert list(form["properties"]) == ["run", *sections]
+    for section in sections:
+        prop = form["properties"][section]
+        assert prop["default"] is None and prop["anyOf"][1] == {"type": "null"}, section
+        check_section(prop["anyOf"][0]["$ref"], hints[section], f"{section}.")
+    run = defs["RunForm"]["properties"]
+    assert [field["title"] for field in run.values()] == list(RUN_FIELDS.values())
     _check_other_config_flows(stack, defs)
     steps = defs["TrainingForm"]["properties"]["steps"]
-    assert steps["type"] == "integer" and steps["examples"] == [100]
+    assert steps["type"] == "integer" and steps["examples"] == [recipe.training.steps]
     assert steps["description"] == (
         "Optimizer steps to train for (the total, counting steps done before a resume). "
-        "Default: 100 (empty: the recipe's value)."
+        f"Default: {recipe.training.steps}{from_recipe}; engine default 100 (empty keeps it)."
     )
     name = defs["OptimizerForm"]["properties"]["name"]
     assert name["enum"] == ["AdamW", "Adam"] and name["type"] == "string"
     batches = defs["EvaluateForm"]["properties"]["batches"]
-    assert "0 = the whole split" in batches["description"] and batches["examples"] == [20]
+    assert "0 = the whole split" in batches["description"]
+    assert batches["examples"] == [recipe.evaluate.batches]
     assert defs["TrainingForm"]["additionalProperties"] is False  # unknown fields: refused
+    # What the Prefect UI submits for an opened but untouched section (the switches as shown,
+    # folded sections as null) is accepted by the server and changes nothing.
+    switches = {k: f["default"] for k, f in defs["CheckpointForm"]["properties"].items()
+                if f.get("type") == "boolean"}  # fmt: skip
+    config = {section: None for section in sections} | {"checkpoint": switches}
+    from prefect.states import Scheduled
+
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=3650)
+    with api(stack.prefect) as client:
+        run_id = client.create_flow_run_from_deployment(
+            dep.id, parameters={"config": config}, state=Scheduled(scheduled_time=later)
+        ).id
+        client.delete_flow_run(run_id)
+    assert to_dict(resolve_job("llama3_debugmodel", "", flow_values(config, None))) == to_dict(
+        recipe
+    )
 
 
 def _check_other_config_flows(stack: Stack, pretrain_defs: dict[str, Any]) -> None:

@@ -7,7 +7,9 @@ Checks the pipeline deployments' parameters against the config schema (the old `
 line naming the new key) and that a Prefect server answers at ``PREFECT_API_URL``, creates the
 work pool when it is missing (a process pool unless ``--pool-type`` says otherwise), then runs
 ``prefect deploy`` from the project root so the entrypoints (``flows/*.py:flow``) resolve and
-process workers start their flow runs there.
+process workers start their flow runs there. Last, it points each config deployment's run form
+at the values its runs start from (``recipe_schema``: each field's help gives the recipe's
+value, booleans become switches that start at it).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import tyro
 
@@ -72,15 +74,10 @@ def ensure_work_pool(name: str, pool_type: str = "process") -> bool:
 def check_parameters(prefect_file: Path) -> None:
     """Check the parameters of the pipeline deployments in ``prefect_file`` against the config
     schema; an old parameter or a bad key is one line naming the deployment and the new key."""
-    import yaml
-
     from titan_core.config.form import flow_values
     from titan_core.config.schema import typed_values
 
-    spec = yaml.safe_load(prefect_file.read_text()) or {}
-    for entry in spec.get("deployments") or []:
-        if not str(entry.get("entrypoint", "")).endswith(CONFIG_FLOWS):
-            continue
+    for entry in _config_deployments(prefect_file, None):
         where = f"{prefect_file.name}: deployment {entry.get('name')!r}"
         params = entry.get("parameters") or {}
         for key in params:
@@ -114,7 +111,53 @@ def deploy(
     if pool:
         cmd += ["--pool", pool]
     env = {**os.environ, "PREFECT_CLI_PROMPT": "false"}
-    return subprocess.run(cmd, cwd=project_dir, env=env, check=False).returncode
+    rc = subprocess.run(cmd, cwd=project_dir, env=env, check=False).returncode
+    if rc == 0:
+        for name in show_recipe_defaults(prefect_file, names):
+            print(f"run form of {name}: defaults are its recipe's values")
+    return rc
+
+
+def _config_deployments(prefect_file: Path, names: list[str] | None) -> list[dict[str, Any]]:
+    """The entries of ``prefect_file`` that run a config flow (restricted to ``names``)."""
+    import yaml
+
+    spec = yaml.safe_load(prefect_file.read_text()) or {}
+    return [
+        entry
+        for entry in spec.get("deployments") or []
+        if str(entry.get("entrypoint", "")).endswith(CONFIG_FLOWS)
+        and (not names or entry.get("name") in names)
+    ]
+
+
+def show_recipe_defaults(prefect_file: Path, names: list[str] | None = None) -> list[str]:
+    """Rewrite the parameter schema of each config deployment of ``prefect_file`` for the config
+    its runs start from (its recipe, config file, config and overrides): returns the
+    deployments' names (``flow/deployment``)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    from titan_core.config.form import flow_values, recipe_schema
+    from titan_core.resolve import resolve_job
+
+    done = []
+    with get_client(sync_client=True) as client:
+        for entry in _config_deployments(prefect_file, names):
+            params = entry.get("parameters") or {}
+            recipe, config_file = params.get("recipe", ""), params.get("config_file", "")
+            cfg = resolve_job(
+                recipe, config_file, flow_values(params.get("config"), params.get("overrides"))
+            )
+            label = f"recipe {recipe}" if recipe else "the defaults"
+            if config_file:
+                label += f" with {config_file}"
+            name = f"{entry['entrypoint'].rpartition(':')[2]}/{entry['name']}"
+            dep = client.read_deployment_by_name(name)
+            schema = recipe_schema(dep.parameter_openapi_schema or {}, cfg, label)
+            client.update_deployment(dep.id, DeploymentUpdate(parameter_openapi_schema=schema))
+            done.append(name)
+    return done
 
 
 METAVAR_NAME = tyro.conf.arg(metavar="NAME")
