@@ -7,6 +7,7 @@ not through the training reader, so that these tests pin the bytes on disk.
 from __future__ import annotations
 
 import bz2
+import functools
 import gzip
 import hashlib
 import json
@@ -375,6 +376,67 @@ def test_a_failing_unit_commits_nothing(tmp_path: Path, tok_path: str) -> None:
     with pytest.raises(DataError, match=r"d\.jsonl: rows have no field 'text'"):
         prepare(spec, workers=1)
     assert _tree(tmp_path / "data") == before
+
+
+def test_an_interrupted_second_prepare_keeps_what_the_first_committed(
+    tmp_path: Path, tok_path: str
+) -> None:
+    """Two prepares of one dataset planned together: the first commits, the second is
+    interrupted (Ctrl-C) after that. Its cleanup must not delete the committed shards, which
+    have the names (and bytes) its own would have had."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        _jsonl(src / f"{i}.jsonl", DOCS[i * 8 : i * 8 + 8])
+    spec = _spec(tmp_path / "data", tok_path, src)
+    late = plan_prepare(spec)  # planned before the first one commits: every unit to do
+    first = prepare(spec, workers=1)
+    committed = _tree(tmp_path / "data")
+
+    def interrupted(fn: Any, units: Any) -> Any:
+        yield fn(units[0])
+        raise KeyboardInterrupt
+
+    import titan_core.data.prepare as prepare_module
+
+    with pytest.raises(KeyboardInterrupt), prepare_module.discard_on_failure(late):
+        list(interrupted(functools.partial(tokenize_unit, **late.unit_kwargs()), late.todo))
+    assert {k: v[1] for k, v in _tree(tmp_path / "data").items()} == {
+        k: v[1] for k, v in committed.items()
+    }
+    verify_shards(first.url, read_manifest(first.url), checksum=True)
+    assert prepare(spec, workers=1).cached
+
+
+def test_lost_shards_are_prepared_again_not_called_cached(
+    tmp_path: Path, tok_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shard deleted (or cut short) by hand: the rerun says so and prepares that unit again,
+    byte for byte; with its source gone too, one line says it cannot."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(2):
+        _jsonl(src / f"{i}.jsonl", DOCS[i * 10 : i * 10 + 10])
+    spec = _spec(tmp_path / "data", tok_path, src)
+    first = prepare(spec, workers=1)
+    before = {k: v[1] for k, v in _tree(tmp_path / "data").items()}
+    manifest = read_manifest(first.url)
+    tokens, _ = shard_urls(first.url, manifest.shards[0])
+    other = next(s for s in manifest.shards if s.unit != manifest.shards[0].unit)
+    os.remove(tokens)
+    with open(shard_urls(first.url, other)[1], "r+b") as f:  # another unit's index cut short
+        f.truncate(8)
+    again = prepare(spec, workers=1)
+    assert not again.cached and again.new_units == 2
+    assert "lost shard files" in caplog.text
+    assert {k: v[1] for k, v in _tree(tmp_path / "data").items()} == before
+    verify_shards(first.url, read_manifest(first.url), checksum=True)
+    assert prepare(spec, workers=1).cached
+    os.remove(tokens)
+    unit = manifest.shards[0].unit
+    (src / next(f.url for f in manifest.files if f.unit == unit).rsplit("/", 1)[1]).unlink()
+    with pytest.raises(DataError, match=r"are missing or cut short and its source is gone"):
+        prepare(spec, workers=1)
 
 
 def test_manifest_from_another_tokenizer_is_refused(

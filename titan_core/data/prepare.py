@@ -47,6 +47,7 @@ from titan_core.data.shards import (
     ShardInfo,
     SourceFile,
     check_tokenizer,
+    damaged_units,
     manifest_url,
     read_manifest,
     token_dtype,
@@ -224,10 +225,20 @@ def plan_prepare(spec: PrepareSpec) -> Plan:
             validation=_validation(spec),
         )
     known = {f.url: f for f in manifest.files}
+    # Units whose shards are gone or cut short (deleted by hand, lost with a disk) are prepared
+    # again: tokenizing is deterministic, so the same bytes come back under the same names.
+    damaged = damaged_units(url, manifest) if exists else {}
+    if damaged:
+        logger.warning(
+            "data: %d prepared unit(s) of %s lost shard files (first: %s); preparing them again",
+            len(damaged),
+            url,
+            next(iter(damaged.values())),
+        )
     todo: list[Unit] = []
     for source, file in listed:
         old = known.get(file.url)
-        if old is None:
+        if old is None or (old.unit == file.unit and old.unit in damaged):
             todo.append(Unit(file=file, source=source, index=len(todo)))
         elif old.unit != file.unit:
             raise DataError(
@@ -239,6 +250,12 @@ def plan_prepare(spec: PrepareSpec) -> Plan:
     _check_hf_unchanged(todo, manifest, url)
     listed_urls = {file.url for _, file in listed}
     gone = [f for f in manifest.files if f.url not in listed_urls]
+    if lost := [f.url for f in gone if f.unit in damaged]:
+        raise DataError(
+            f"{url}: shards of {lost[0]} are missing or cut short and its source is gone, so they "
+            f"cannot be prepared again; restore the source or the shard files, or prepare a new "
+            "dataset"
+        )
     if gone:
         logger.warning(
             "data: %d prepared file(s) are gone from the sources (first: %s); their shards stay "
@@ -430,7 +447,14 @@ def discard_on_failure(plan: Plan) -> Iterator[None]:
     except BaseException:
         with contextlib.suppress(Exception):  # the failure itself is what the user must see
             fs, root = fsspec.core.url_to_fs(plan.url)
+            # Another prepare of this dataset may have committed these units meanwhile: their
+            # files (the same names, the same bytes) are its data now, not this attempt's debris.
+            tokenizer = plan.manifest.tokenizer["fingerprint"]
+            current = _read_existing(plan.url, plan.manifest.fingerprint, tokenizer)
+            committed = {f.unit for f in current.files} if current is not None else set()
             for unit in plan.todo:
+                if unit.file.unit in committed:
+                    continue
                 for split in SPLITS:
                     for suffix in (".tokens", ".docs"):
                         path = f"{root}/{SHARD_DIR}/{unit.file.unit}-{split}{suffix}"

@@ -226,6 +226,30 @@ def verify_shards(
                 )
 
 
+def damaged_units(dataset_url: str, manifest: Manifest) -> dict[str, str]:
+    """Units of ``manifest`` with a shard file missing or not of its manifest size, each with
+    the first such file: one listing of the shard folder, no reads."""
+    fs, root = fsspec.core.url_to_fs(os.path.expanduser(dataset_url))
+    folder = posixpath.join(root.rstrip("/"), SHARD_DIR)
+    with storage_errors(dataset_url):
+        try:
+            present = {
+                posixpath.basename(e["name"]): e.get("size") for e in fs.ls(folder, detail=True)
+            }
+        except FileNotFoundError:
+            present = {}
+    itemsize = np.dtype(manifest.dtype).itemsize
+    damaged: dict[str, str] = {}
+    for shard in manifest.shards:
+        for suffix, size in (
+            (".tokens", shard.num_tokens * itemsize),
+            (".docs", shard.num_docs * DOC_DTYPE.itemsize),
+        ):
+            if present.get(shard.name + suffix) != size and shard.unit not in damaged:
+                damaged[shard.unit] = _join(dataset_url, SHARD_DIR, shard.name + suffix)
+    return damaged
+
+
 def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
     """The manifest's tokenizer entry for a ``titan_core.data.tokenizer.Tokenizer``."""
     return {
