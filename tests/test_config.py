@@ -206,7 +206,12 @@ def test_stray_value_is_an_error() -> None:
     [
         (["--training.steps", "abc"], "--training.steps: expected an int, got 'abc'"),
         (["--training.steps=1.5"], "--training.steps: expected an int, got '1.5'"),
-        (["--optimizer.lr", "fast"], "--optimizer.lr: expected a float, got 'fast'"),
+        (["--optimizer.lr", "fast"], "--optimizer.lr: expected a finite float, got 'fast'"),
+        (
+            ["--model.moe_aux_loss_coef", "inf"],
+            "--model.moe_aux_loss_coef: expected a finite float, got 'inf'",
+        ),
+        (["--optimizer.lr", "nan"], "--optimizer.lr: expected a finite float, got 'nan'"),
         (
             ["--optimizer.name", "SGD"],
             "--optimizer.name: expected one of 'AdamW', 'Adam', got 'SGD'",
@@ -223,7 +228,9 @@ def test_wrong_cli_type(argv: list[str], expected: str) -> None:
     [
         ('[training]\nsteps = "ten"\n', "training.steps: expected an int, got 'ten'"),
         ("[training]\nsteps = true\n", "training.steps: expected an int, got True"),
-        ('[optimizer]\nlr = "1e-3"\n', "optimizer.lr: expected a float, got '1e-3'"),
+        ('[optimizer]\nlr = "1e-3"\n', "optimizer.lr: expected a finite float, got '1e-3'"),
+        ("[optimizer]\nlr = nan\n", "optimizer.lr: expected a finite float, got nan"),
+        ("[optimizer]\nweight_decay = -inf\n", "optimizer.weight_decay: expected a finite float"),
         ("[job]\nprint_config = 1\n", "job.print_config: expected true or false, got 1"),
         ('[lr_scheduler]\ndecay_type = "exp"\n', "expected one of 'linear', 'sqrt', 'cosine'"),
         ('[compile]\ncomponents = "model"\n', "compile.components: expected a list of values"),
@@ -571,7 +578,7 @@ def test_old_flat_keys_name_the_new_key_at_every_door() -> None:
     with pytest.raises(ConfigError, match=r"^launch\.slurm\.poll_seconds: expected > 0, got 0$"):
         validate(cfg)  # the nested section's __post_init__ runs too
     cfg.launch.slurm.poll_seconds = "1"  # type: ignore[assignment]
-    with pytest.raises(ConfigError, match=r"^launch\.slurm\.poll_seconds: expected a float"):
+    with pytest.raises(ConfigError, match=r"^launch\.slurm\.poll_seconds: expected a finite float"):
         validate(cfg)
 
 

@@ -89,13 +89,14 @@ def sweep_kwargs(argv: list[str]) -> dict[str, Any]:
     ns, pipeline = parsed.options, flow_kwargs(parsed.config)
     grid = dict(parse_grid_arg(arg) for arg in ns.grid)
     random = dict(parse_random_arg(arg) for arg in ns.random)
-    if ns.trials and not random:
+    given_trials = "trials" in parsed.given
+    if given_trials and not random:
         raise ConfigError("--trials: counts random draws; give --random KEY=KIND:ARGS too")
     kwargs = {
         **pipeline,
         "grid": grid,
         "random": random,
-        "trials": ns.trials or 4,
+        "trials": ns.trials if given_trials else 4,
         "seed": ns.seed,
         "concurrency": ns.concurrency,
         "metric": ns.metric,

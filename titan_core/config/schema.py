@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ from titan_core.errors import ConfigError
 
 Scalar = bool | int | float | str
 
-_WORDS = {"bool": "true or false", "int": "an int", "float": "a float", "str": "a string"}
+# Floats must be finite: no setting means anything at inf or NaN (0 or -1 switch things off).
+_WORDS = {"bool": "true or false", "int": "an int", "float": "a finite float", "str": "a string"}
 
 
 @dataclass(frozen=True)
@@ -179,11 +181,17 @@ def from_text(spec: Spec, text: str) -> Any:
     if spec.kind == "int":
         return int(text)
     if spec.kind == "float":
-        return float(text)
+        return _finite(float(text))
     if spec.kind == "choice":
         return spec.choices[[str(c) for c in spec.choices].index(text)]  # ValueError if absent
     assert spec.kind == "str", spec
     return text
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(value)
+    return value
 
 
 def from_value(spec: Spec, value: Any) -> Any:
@@ -194,7 +202,7 @@ def from_value(spec: Spec, value: Any) -> Any:
     if spec.kind == "int" and is_number and isinstance(value, int):
         return value
     if spec.kind == "float" and is_number:
-        return float(value)
+        return _finite(float(value))
     if spec.kind == "str" and isinstance(value, str):
         return value
     if spec.kind == "choice" and any(type(c) is type(value) and c == value for c in spec.choices):

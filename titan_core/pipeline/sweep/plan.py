@@ -28,6 +28,17 @@ BEST_ALIAS = "sweep-best"  # the registered-model alias of a sweep's best trial
 SIGNIFICANT = 4  # digits kept of a drawn float: readable names, no false precision
 
 
+def _trial_metrics() -> tuple[str, ...]:
+    from titan_core.pipeline.stages.evaluation import EVAL_METRICS
+
+    lower_is_better = ("loss", "perplexity", "bits_per_byte")
+    return (*(f"eval/{k}" for k in EVAL_METRICS if k in lower_is_better), "train/loss")
+
+
+TRIAL_METRICS = _trial_metrics()
+"""Metrics every trial's pipeline run logs that pick the best trial: the lowest wins."""
+
+
 @dataclass(frozen=True)
 class Trial:
     """One configuration of a sweep: its 1-based index and the swept keys' values."""
@@ -298,8 +309,11 @@ def plan_sweep(
 
     if concurrency < 1:
         raise ConfigError(f"sweep.concurrency: expected an int >= 1, got {concurrency!r}")
-    if not metric:
-        raise ConfigError("sweep.metric: expected a metric name such as eval/loss")
+    if metric not in TRIAL_METRICS:
+        raise ConfigError(
+            f"sweep.metric: expected a metric every trial's run logs ({', '.join(TRIAL_METRICS)}), "
+            f"got {metric!r}"
+        )
     rule = early_stopping(early_stop)
     expanded = expand(grid, random, trials, seed)
     cfg = resolve_job(recipe, config_file, dict(base))
