@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import importlib
 import json
+import math
 import mmap
 import os
 import re
@@ -741,7 +742,25 @@ _TO_DCP_CASES = {
         ),
         "missing",
     ),
+    "zero-heads": (
+        lambda hf: _edit_config(hf, num_attention_heads=0),
+        "num_attention_heads is 0, expected an int >= 1",
+    ),
+    "float-layers": (
+        lambda hf: _edit_config(hf, num_hidden_layers=2.5),
+        "num_hidden_layers is 2.5, expected an int >= 1",
+    ),
+    "heads-not-in-groups": (
+        lambda hf: _edit_config(hf, num_key_value_heads=3),
+        "num_attention_heads 4 is not a multiple of num_key_value_heads 3",
+    ),
+    "nan-eps": (lambda hf: _edit_config(hf, rms_norm_eps=math.nan), "rms_norm_eps is nan"),
 }
+
+
+def _edit_config(hf: Path, **values: Any) -> None:
+    path = hf / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | values))
 
 
 @pytest.mark.parametrize("case", list(_TO_DCP_CASES))

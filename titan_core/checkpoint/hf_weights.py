@@ -10,6 +10,7 @@ initial checkpoint given in HF format with ``load_hf_into_model``
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,9 +133,48 @@ def list_hf_weights(hf: str) -> dict[str, HFTensor]:
 
 
 # ---------------------------------------------------------------- config and validation
+# Sizes of an HF config.json, where present: each a positive int (a 0 divided, a float or a
+# string reached the model as a traceback).
+_HF_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
+
+
+def _check_hf_sizes(config: dict[str, Any], source: str) -> None:
+    """One CheckpointError line for a size that is not a positive int, heads that do not divide
+    into kv groups, or a norm epsilon / rope theta that is not a positive finite number."""
+    for key in _HF_SIZES:
+        value = config.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise CheckpointError(f"hf: {source}: {key} is {value!r}, expected an int >= 1")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads is not None and kv is not None and heads % kv:
+        raise CheckpointError(
+            f"hf: {source}: num_attention_heads {heads} is not a multiple of "
+            f"num_key_value_heads {kv}"
+        )
+    for key in ("rms_norm_eps", "rope_theta"):
+        value = config.get(key)
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if value is not None and not (ok and math.isfinite(value) and value > 0):
+            raise CheckpointError(f"hf: {source}: {key} is {value!r}, expected a number > 0")
+
+
 def model_args_from_hf_config(config: dict[str, Any], source: str) -> Any:
     """Model args (of the family that reads its ``architectures``) of an HF ``config.json``."""
-    return spec_for_hf_config(config, source).hf.from_hf_config(config, source)
+    spec = spec_for_hf_config(config, source)
+    _check_hf_sizes(config, source)
+    return spec.hf.from_hf_config(config, source)
 
 
 def read_hf_model_args(hf: str) -> Any:
