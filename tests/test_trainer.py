@@ -571,3 +571,23 @@ def test_mfu_divides_by_the_cpus_peak_and_stays_under_100(tmp_path: Path) -> Non
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(0 < r["mfu_pct"] <= 100 for r in rows if "mfu_pct" in r), rows
     assert "is above 100%" not in proc.stdout + proc.stderr
+
+
+def test_saved_config_names_local_data_by_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, assets: Path
+) -> None:
+    """A relative dataset path is saved absolute, so the run's config.toml reads the same data
+    from any directory (evaluating from elsewhere took it for a Hugging Face dataset); names,
+    URLs and paths that do not exist here stay as given."""
+    from titan_core.build import resolve_auto
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "docs.jsonl").write_text('{"text": "hello world"}\n' * 50)
+    values = ["--dataloader.dataset", "data/docs.jsonl", "--validation.dataset", "titan_corpus"]
+    values += ["--data.sources", "data", "hf:org/name?split=train"]
+    cfg = resolve_auto(parse_args([*TINY, *values]), 1)
+    assert cfg.dataloader.dataset == str(tmp_path / "data" / "docs.jsonl")
+    assert cfg.validation.dataset == "titan_corpus"
+    assert cfg.data.sources == [str(tmp_path / "data"), "hf:org/name?split=train"]
+    assert resolve_auto(cfg, 1) == cfg  # saving the saved config again changes nothing

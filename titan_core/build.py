@@ -249,9 +249,20 @@ def resolved_config(cfg: JobConfig, parallel_dims: ParallelDims, model_args: Any
         else {}  # a dense model has no routing to write (a value would be refused)
     )
     validation_batch = cfg.validation.local_batch_size
+    loader = cfg.dataloader
     return dataclasses.replace(
         cfg,
         job=dataclasses.replace(cfg.job, config_file=""),
+        tokenizer=dataclasses.replace(cfg.tokenizer, path=_absolute(cfg.tokenizer.path)),
+        dataloader=dataclasses.replace(
+            loader,
+            dataset=_absolute(loader.dataset),
+            path=_absolute(loader.path),
+            mix=[_absolute(url) + sep + weight for url, sep, weight in map(_split_mix, loader.mix)],
+        ),
+        checkpoint=dataclasses.replace(
+            cfg.checkpoint, initial_load_path=_absolute(cfg.checkpoint.initial_load_path)
+        ),
         model=dataclasses.replace(
             cfg.model,
             vocab_size=model_args.vocab_size,
@@ -264,11 +275,32 @@ def resolved_config(cfg: JobConfig, parallel_dims: ParallelDims, model_args: Any
         ),
         validation=dataclasses.replace(
             cfg.validation,
+            dataset=_absolute(cfg.validation.dataset),
             local_batch_size=(
                 validation_batch if validation_batch > 0 else cfg.training.local_batch_size
             ),
         ),
+        data=dataclasses.replace(
+            cfg.data,
+            sources=[_absolute(s) for s in cfg.data.sources],
+            root=_absolute(cfg.data.root),
+        ),
     )
+
+
+def _absolute(value: str) -> str:
+    """A relative path that exists here, made absolute, so that the saved config reads the same
+    data from any directory (an evaluation run elsewhere took ``data/x.jsonl`` for a Hugging Face
+    dataset); names, URLs, absolute and missing paths are kept as given."""
+    if not value or "://" in value or value.startswith(("hf:", "~")) or os.path.isabs(value):
+        return value
+    return os.path.abspath(value) if os.path.exists(value) else value
+
+
+def _split_mix(entry: str) -> tuple[str, str, str]:
+    """A ``URL=WEIGHT`` mix entry as (URL, "=", WEIGHT); no weight: (entry, "", "")."""
+    url, sep, weight = entry.rpartition("=")
+    return (url, sep, weight) if sep else (entry, "", "")
 
 
 def resolve_auto(cfg: JobConfig, world_size: int) -> JobConfig:
