@@ -463,6 +463,9 @@ def test_docs_error_examples_match_the_code(argv: list[str]) -> None:
         (["data/a=1", "data/b"], r"dataloader\.mix\[1\]: expected URL=WEIGHT"),
         (["data/a=0"], r"dataloader\.mix\[0\]: expected URL=WEIGHT with a weight > 0"),
         (["data/a=1", "data/a=2"], r"dataloader\.mix: expected each dataset once"),
+        # Two spellings of one folder would mix it with itself.
+        (["data/a=1", "./data/a/=1"], r"dataloader\.mix: expected each dataset once"),
+        (["s3://b/a=1", "s3://b/a/=1"], r"dataloader\.mix: expected each dataset once"),
     ],
 )
 def test_mix_weights_that_do_not_parse_are_one_line(

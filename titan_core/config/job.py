@@ -8,6 +8,7 @@ functions and later Prefect/MLflow views are all projections of ``JobConfig``. U
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -203,6 +204,15 @@ def parse_ranges(entries: list[str], key: str = "dataloader.exclude") -> list[tu
     return sorted(out)
 
 
+def _dataset_place(url: str) -> str:
+    """Where a dataset URL points: local paths resolved (``~``, ``.``, links, a trailing slash,
+    ``file://``), other URLs without a trailing slash."""
+    local = url.removeprefix("file://")
+    if "://" in local:
+        return local.rstrip("/")
+    return os.path.realpath(os.path.expanduser(local))
+
+
 def parse_mix(entries: list[str]) -> list[tuple[str, float]]:
     """``URL=WEIGHT`` entries → (url, weight normalised to sum 1); ConfigError naming the entry."""
     pairs: list[tuple[str, float]] = []
@@ -217,8 +227,10 @@ def parse_mix(entries: list[str]) -> list[tuple[str, float]]:
                 f"dataloader.mix[{i}]: expected URL=WEIGHT with a weight > 0, got {entry!r}"
             )
         pairs.append((url, value))
-    urls = [url for url, _ in pairs]
-    dupes = sorted({u for u in urls if urls.count(u) > 1})
+    # Two spellings of one dataset (data/x, ./data/x/, /abs/data/x, file:///abs/data/x) would
+    # mix it with itself: compared by where they point.
+    places = [_dataset_place(url) for url, _ in pairs]
+    dupes = sorted({url for (url, _), p in zip(pairs, places) if places.count(p) > 1})
     _require(not dupes, "dataloader.mix", "each dataset once", dupes)
     total = sum(w for _, w in pairs)
     return [(url, w / total) for url, w in pairs]
