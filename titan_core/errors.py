@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 from collections.abc import Iterator
 
 
@@ -37,20 +38,40 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+_ERRNO_WORDS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOTDIR: "a path component is a file, not a folder",
+    errno.EISDIR: "is a folder, not a file",
+}
+
+
+def os_error_words(e: OSError, named: str = "") -> str:
+    """What an OSError means, in words (``no space left on device``), with the file it names
+    unless that is ``named`` (already in the message)."""
+    words = _ERRNO_WORDS.get(e.errno or 0) or (e.strerror or first_line(e)).lower()
+    return f"{words} ({e.filename})" if e.filename and e.filename != named else words
+
+
 @contextlib.contextmanager
 def storage_errors(where: str, error: type[TitanError]) -> Iterator[None]:
-    """Turn storage failures (missing file, denied access, network, S3 client errors) into one
-    ``error`` line naming ``where``; anything else passes through."""
+    """Turn storage failures (missing file, denied access, full disk, read-only folder, network,
+    S3 client errors) into one ``error`` line naming ``where``; anything else passes through."""
     try:
         yield
     except FileNotFoundError as e:
         raise error(f"{where}: file not found: {e.filename or e}") from None
     except PermissionError as e:
-        raise error(
-            f"{where}: access denied ({e}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
-        ) from None
-    except OSError as e:  # disk full, a file where a directory should be, network errors
-        raise error(f"{where}: {type(e).__name__}: {e.strerror or e}") from None
+        if "://" in where:  # an object store: its credentials decide
+            raise error(
+                f"{where}: access denied ({e}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+            ) from None
+        raise error(f"{where}: {os_error_words(e)}") from None
+    except OSError as e:  # disk full, read-only, a file where a directory should be, network
+        raise error(f"{where}: {os_error_words(e)}") from None
     except Exception as e:
         if type(e).__module__.split(".")[0] not in ("botocore", "aiobotocore", "s3fs"):
             raise

@@ -6,6 +6,7 @@ writers on top of it are in ``titan_core.checkpoint.dcp_io``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import uuid
@@ -74,11 +75,46 @@ def write_text_atomic(path: str, text: str) -> None:
         return
     fs.makedirs(os.path.dirname(p) or ".", exist_ok=True)
     tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:  # a full disk, a kill: no half-written temp file stays behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def check_writable(path: str, key: str) -> None:
+    """One ``ConfigError`` line, before anything runs, unless this process can create the local
+    folder ``path`` and write a file in it (``key``: the setting that names it). Folders made
+    for the check are removed again; an object store's permissions show at its first write."""
+    from titan_core.errors import ConfigError, os_error_words
+
+    if not path or is_url(path):
+        return
+    folder = os.path.abspath(os.path.expanduser(path))
+    missing = folder
+    while not os.path.exists(os.path.dirname(missing)) and os.path.dirname(missing) != missing:
+        missing = os.path.dirname(missing)
+    created = not os.path.exists(folder)
+    probe = os.path.join(folder, f".titan-write-check-{uuid.uuid4().hex[:8]}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        if e.filename == probe:  # the folder is there, writing in it failed: name the folder
+            e.filename = folder
+        raise ConfigError(f"{key}: {path}: {os_error_words(e, named=folder)}") from None
+    finally:
+        if created and os.path.isdir(missing):
+            with contextlib.suppress(OSError):
+                for root, _, _ in sorted(os.walk(missing), key=lambda w: -len(w[0])):
+                    os.rmdir(root)  # only empty folders: rmdir refuses anything else
 
 
 def remove_tree(path: str) -> None:

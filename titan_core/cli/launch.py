@@ -58,6 +58,9 @@ def _launch(argv: list[str]) -> int:
         from titan_core.pipeline.stages.preflight import preflight_checks
 
         preflight_checks(cfg)
+        from titan_core.storage import check_writable
+
+        check_writable(cfg.job.dump_folder, "job.dump_folder")
     launcher = get_launcher(cfg.launch)
     spec = LaunchSpec(
         args=config_argv,

@@ -62,6 +62,10 @@ def train(ngpu: int, log_rank: str, rest: list[str], dry_run: bool = False) -> i
 
         cfg = parse_args(rest)
         check_job(cfg, ngpu)  # a bad config fails here, before torchrun starts or is printed
+        if not dry_run:
+            from titan_core.storage import check_writable
+
+            check_writable(cfg.job.dump_folder, "job.dump_folder")
     if ngpu > 1:
         launcher, spec = local_train_launch(cfg.launch, rest, ngpu, log_rank)
         if dry_run:

@@ -282,6 +282,9 @@ def evaluate_checkpoint(
     if cfg.debug.num_threads:
         torch.set_num_threads(cfg.debug.num_threads)
     owns_group = not dist.is_initialized()
+    # A folder the report cannot be written to is said before the model is scored, not after.
+    where = "--output" if output else "--output (default: the checkpoint's run folder)"
+    storage.check_writable(output or inputs.ckpt.run_root, where)
     info = init_distributed(cfg.comm.init_timeout_seconds, 0, "")
     try:
         args, metrics, samples, timing = _score_and_sample(inputs, info.device, info.world_size)
