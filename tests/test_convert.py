@@ -683,7 +683,7 @@ _TO_HF_CASES = {
     "wrong-flavor": (lambda step: None, ["--model.flavor", "debugmodel"], "has shape"),
     "unknown-tensor": (lambda step: None, ["--model.n_layers", "1"], "unknown tensor"),
     "missing-tensor": (lambda step: None, ["--model.n_layers", "3"], "missing"),
-    "truncated-data": (lambda step: _truncate(step / "__0_0.distcp"), [], "is truncated"),
+    "truncated-data": (lambda step: _truncate(step / "__0_0.distcp"), [], "(truncated)"),
     # Found only while reading the last shard (the direct reader leaves a damaged item to DCP's
     # reader, which names it): the shards already written must vanish too.
     "corrupt-data": (

@@ -7,12 +7,14 @@ may mount (root, as in CI); elsewhere a folder without write permission stands i
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,3 +133,82 @@ def test_a_full_disk_says_so_and_leaves_no_temp_file(small_disk: Path) -> None:
     name = f"{uuid.uuid4().hex}.txt"
     storage.write_text_atomic(str(small_disk / name), "fits")  # the disk still works
     assert (small_disk / name).read_text() == "fits"
+
+
+def _train_args(dump: Path, steps: int) -> list[str]:
+    return [
+        "--module", "llama3", "--config", "llama3_debugmodel_tiny", "--job.dump_folder", str(dump),
+        "--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.interval", "4",
+        "--checkpoint.keep_latest_k", "0", "--checkpoint.no_last_save_model_only",
+        "--metrics.log_freq", "1", "--debug.deterministic", "--validation.no_enable",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "harm, says",
+    [
+        (lambda step: (step / ".titan_complete").write_text("{not json"), "commit marker does not"),
+        (lambda step: _cut(step / "__0_0.distcp"), "(truncated)"),
+        (lambda step: (step / "__0_0.distcp").unlink(), "data file missing"),
+        (lambda step: _cut(step / ".metadata"), ".metadata is not DCP metadata"),
+    ],
+    ids=["marker", "truncated-data", "missing-data", "truncated-metadata"],
+)
+def test_resume_passes_over_a_damaged_newest_step(
+    harm: Any, says: str, tmp_path: Path, assets: Path
+) -> None:
+    """The newest step damaged (a full disk cut it short, a bad copy): the resume says so in one
+    warning and loads the previous complete step, bitwise as that step left it; eval refuses
+    the damaged step in one line naming the file."""
+    from titan_core.resolve import parse_args
+    from titan_core.train import run
+
+    reference = {r["step"]: r["loss"] for r in run(parse_args(_train_args(tmp_path / "ref", 12)))}
+    dump = tmp_path / "run"
+    run(parse_args(_train_args(dump, 12)))
+    damaged = dump / "checkpoint" / "step-12"
+    harm(damaged)
+    if "marker" in says or ".metadata" in says:  # eval refuses the damaged step in one line
+        line = _one_line(_titan("eval", "--checkpoint", str(damaged), cwd=tmp_path))
+        assert str(damaged) in line and ("does not parse" in line or "metadata" in line), line
+    proc = _titan("train", *_train_args(dump, 12), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warning = next(line for line in proc.stdout.splitlines() if "is damaged" in line)
+    assert "step-12 is damaged, not loaded: " in warning and says in warning, warning
+    assert "checkpoint/step-8 (step 8)" in proc.stdout
+    logged = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    resumed = {r["step"]: r["loss"] for r in logged[-4:]}
+    assert resumed == {s: reference[s] for s in range(9, 13)}  # step 8's state, bitwise
+
+
+def test_eval_refuses_a_truncated_model_file_naming_it(tmp_path: Path, assets: Path) -> None:
+    from titan_core.resolve import parse_args
+    from titan_core.train import run
+
+    dump = tmp_path / "run"
+    run(parse_args(_train_args(dump, 4)))
+    step = dump / "checkpoint" / "step-4"
+    for data in step.glob("*.distcp"):  # into the model's tensors (half may cut optimizer only)
+        _cut(data, 64)
+    line = _one_line(_titan("eval", "--checkpoint", str(step), cwd=tmp_path))
+    assert line.startswith(f"error: --checkpoint: {step}/__") and ".distcp: 64 bytes" in line
+    assert line.endswith("(truncated)")
+
+
+def test_every_complete_step_damaged_is_one_line(tmp_path: Path, assets: Path) -> None:
+    from titan_core.resolve import parse_args
+    from titan_core.train import run
+
+    dump = tmp_path / "run"
+    run(parse_args(_train_args(dump, 8)))
+    for step in ("step-4", "step-8"):
+        (dump / "checkpoint" / step / ".titan_complete").write_text("")
+    line = _one_line(_titan("train", *_train_args(dump, 12), cwd=tmp_path))
+    assert "every complete step in" in line and "step-8/.titan_complete" in line
+    assert (dump / "checkpoint" / "step-8" / "__0_0.distcp").exists()  # nothing deleted
+
+
+def _cut(path: Path, size: int = -1) -> None:
+    """Cut ``path`` to ``size`` bytes (default: half)."""
+    with open(path, "r+b") as f:
+        f.truncate(size if size >= 0 else max(1, path.stat().st_size // 2))

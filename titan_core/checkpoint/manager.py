@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
 import signal
 import time
@@ -55,9 +56,55 @@ def complete_steps(folder: str) -> list[int]:
 
 
 def read_marker(step_dir: str) -> dict[str, Any] | None:
-    """The commit marker of a checkpoint directory, or None when it is incomplete."""
+    """The commit marker of a checkpoint directory, or None when it is incomplete;
+    ``CheckpointError`` naming the file when it does not parse (a damaged marker)."""
     path = storage.join(step_dir, COMMIT_MARKER)
-    return json.loads(storage.read_text(path)) if storage.exists(path) else None
+    if not storage.exists(path):
+        return None
+    try:
+        marker = json.loads(storage.read_text(path))
+    except (ValueError, UnicodeDecodeError):
+        marker = None
+    if not isinstance(marker, dict) or not {"step", "model_only"} <= set(marker):
+        raise CheckpointError(f"checkpoint: {path}: commit marker does not parse (damaged)")
+    return marker
+
+
+def damage(step_dir: str) -> str | None:
+    """Why the checkpoint in ``step_dir`` cannot be loaded, in one line (its commit marker does
+    not parse, its metadata does not read, a data file is missing or shorter than the metadata
+    says), or None when it looks whole. Reads the marker and the metadata; the data files are
+    only listed."""
+    try:
+        with storage_errors(step_dir, CheckpointError):
+            if read_marker(step_dir) is None:
+                return f"{step_dir}: no commit marker (incomplete)"
+            metadata = dcp_reader(step_dir).read_metadata()
+    except CheckpointError as e:
+        return str(e).removeprefix("checkpoint: ")
+    except Exception as e:  # EOFError and the like from a cut-short .metadata
+        return f"{storage.join(step_dir, '.metadata')}: unreadable ({type(e).__name__})"
+    return data_file_damage(step_dir, metadata)
+
+
+def data_file_damage(step_dir: str, metadata: Any, prefix: str = "") -> str | None:
+    """The first data file of a DCP checkpoint holding tensors under ``prefix`` that is missing
+    or shorter than its ``metadata`` says, in one line; None when all are there. One listing."""
+    needed: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn.startswith(prefix):
+            end = int(info.offset) + int(info.length)
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    fs, root = storage.filesystem(step_dir)
+    with storage_errors(step_dir, CheckpointError):
+        sizes = {posixpath.basename(e["name"]): e.get("size") for e in fs.ls(root, detail=True)}
+    for name, size in sorted(needed.items()):
+        where = storage.join(step_dir, name)
+        if name not in sizes:
+            return f"{where}: data file missing"
+        if (sizes[name] or 0) < size:
+            return f"{where}: {sizes[name]} bytes, the metadata needs {size} (truncated)"
+    return None
 
 
 def is_unhealthy(marker: dict[str, Any] | None) -> bool:
@@ -103,6 +150,8 @@ class CheckpointManager:
         self.rank = rank
         self._pending: tuple[Future, int, bool] | None = None
         self._staging: Future | None = None
+        self.skipped: list[tuple[int, str]] = []
+        """Damaged steps ``load`` passed over, newest first, with why."""
         self._stager: DefaultStager | None = None
         self._stager_spent = False
         self._staging_options: StagingOptions | None = None
@@ -162,9 +211,23 @@ class CheckpointManager:
                     f"checkpoint.load_step: no complete checkpoint for step {self.cfg.load_step} "
                     f"in {self.folder} (complete: {steps or 'none'})"
                 )
-            return self._load_dir(self.step_dir(self.cfg.load_step))
+            path = self.step_dir(self.cfg.load_step)
+            if (why := damage(path)) is not None:
+                raise CheckpointError(f"checkpoint.load_step: {why}")
+            return self._load_dir(path)
+        # The newest whole step: a damaged one (cut short by a full disk, a bad copy) is said
+        # and passed over, never loaded halfway.
+        for step in reversed(steps):
+            why = damage(self.step_dir(step))
+            if why is None:
+                return self._load_dir(self.step_dir(step))
+            self.skipped.append((step, why))
+            logger.warning("Checkpoint step-%d is damaged, not loaded: %s", step, why)
         if steps:
-            return self._load_dir(self.step_dir(steps[-1]))
+            raise CheckpointError(
+                f"checkpoint: every complete step in {self.folder} is damaged (newest: "
+                f"{self.skipped[0][1]}); restore one, or set checkpoint.folder to start over"
+            )
         if read_marker(self.seed_dir) is not None:
             logger.info("No step checkpoint yet: loading the seed checkpoint %s", self.seed_dir)
             return self._load_dir(self.seed_dir)

@@ -28,7 +28,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_core import storage
 from titan_core.checkpoint.dcp_io import dcp_reader
 from titan_core.checkpoint.hf_weights import INDEX_FILE, expected_shapes, model_spec
-from titan_core.checkpoint.manager import COMMIT_MARKER, check_healthy, read_marker
+from titan_core.checkpoint.manager import (
+    COMMIT_MARKER,
+    check_healthy,
+    data_file_damage,
+    read_marker,
+)
 from titan_core.convert import (
     StagedOutput,
     format_size,
@@ -90,21 +95,8 @@ def _check_checkpoint_dir(checkpoint: str) -> Any:
 
 def _check_data_files(checkpoint: str, metadata: Any) -> None:
     """Every data file holding model tensors exists and is long enough (no truncation)."""
-    needed: dict[str, int] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        if index.fqn.startswith(MODEL_PREFIX):
-            end = info.offset + info.length
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    fs, root = storage.filesystem(checkpoint)
-    for name, end in sorted(needed.items()):
-        path = f"{root.rstrip('/')}/{name}"
-        if not fs.exists(path):
-            raise CheckpointError(f"checkpoint: data file {name} missing in {checkpoint}")
-        if fs.size(path) < end:
-            raise CheckpointError(
-                f"checkpoint: data file {name} in {checkpoint} is truncated: "
-                f"needs {end} bytes, has {fs.size(path)}"
-            )
+    if (why := data_file_damage(checkpoint, metadata, MODEL_PREFIX)) is not None:
+        raise CheckpointError(f"checkpoint: {why}")
 
 
 def read_checkpoint_tensors(

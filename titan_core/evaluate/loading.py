@@ -29,6 +29,7 @@ from titan_core.checkpoint.manager import (
     check_healthy,
     checkpoint_model,
     complete_steps,
+    data_file_damage,
     read_marker,
 )
 from titan_core.checkpoint.states import ModelState
@@ -64,6 +65,10 @@ def resolve_checkpoint(url: str) -> ResolvedCheckpoint:
     marker = read_marker(path)
     if marker is not None:
         check_healthy(path, marker, "--checkpoint")
+        # A cut-short or missing model file is refused here, naming it (not mid-load).
+        metadata = dcp_reader(path).read_metadata()
+        if (why := data_file_damage(path, metadata, "model.")) is not None:
+            raise CheckpointError(f"--checkpoint: {why}")
         return ResolvedCheckpoint(
             step_dir=path,
             step=int(marker["step"]),
