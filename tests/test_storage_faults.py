@@ -212,3 +212,18 @@ def _cut(path: Path, size: int = -1) -> None:
     """Cut ``path`` to ``size`` bytes (default: half)."""
     with open(path, "r+b") as f:
         f.truncate(size if size >= 0 else max(1, path.stat().st_size // 2))
+
+
+def test_prepare_on_a_full_disk_says_so_and_leaves_no_file(
+    small_disk: Path, tmp_path: Path, assets: Path
+) -> None:
+    from titan_core.data.assets import bundled_corpus_dir, default_tokenizer_path
+    from titan_core.data.prepare import PrepareSpec, prepare
+
+    source = str(bundled_corpus_dir() / "train")
+    spec = PrepareSpec(
+        sources=(source,), tokenizer_path=str(default_tokenizer_path()), root=str(small_disk)
+    )
+    with pytest.raises(DataError, match=r": no space left on device$"):
+        prepare(spec, workers=1)
+    assert [p for p in small_disk.rglob("*") if p.is_file()] == []  # no shard, no .tmp

@@ -295,9 +295,14 @@ def _write_bytes_atomic(url: str, data: bytes) -> None:
     if fs.protocol in ("file", ("file", "local")) or "file" in fs.protocol:
         os.makedirs(parent, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:  # a full disk, an interrupt: no partial temp file stays behind
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         return
     fs.makedirs(parent, exist_ok=True)
     fs.pipe_file(path, data)  # one PUT: an object store has no partial objects
