@@ -51,15 +51,28 @@ def read_only(tmp_path: Path) -> Iterator[tuple[Path, str]]:
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 64 KiB file system."""
-    folder = tmp_path / "small"
-    if os.geteuid() != 0 or not _mount_tmpfs(folder, "size=64k"):
-        pytest.skip("needs root to mount a small tmpfs")
+def disk(tmp_path: Path) -> Iterator[Any]:
+    """``disk(size)``: a new file system of ``size`` (tmpfs: "64k", "8m"), unmounted after."""
+    mounted: list[Path] = []
+
+    def make(size: str) -> Path:
+        folder = tmp_path / f"disk-{len(mounted)}"
+        if os.geteuid() != 0 or not _mount_tmpfs(folder, f"size={size}"):
+            pytest.skip("needs root to mount a small tmpfs")
+        mounted.append(folder)
+        return folder
+
     try:
-        yield folder
+        yield make
     finally:
-        subprocess.run(["umount", str(folder)], check=False)
+        for folder in mounted:
+            subprocess.run(["umount", str(folder)], check=False)
+
+
+@pytest.fixture
+def small_disk(disk: Any) -> Path:
+    """A 64 KiB file system."""
+    return disk("64k")
 
 
 def _titan(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -227,3 +240,47 @@ def test_prepare_on_a_full_disk_says_so_and_leaves_no_file(
     with pytest.raises(DataError, match=r": no space left on device$"):
         prepare(spec, workers=1)
     assert [p for p in small_disk.rglob("*") if p.is_file()] == []  # no shard, no .tmp
+
+
+def test_a_checkpoint_save_on_a_full_disk_is_one_line_and_removes_its_step(
+    disk: Any, tmp_path: Path, assets: Path
+) -> None:
+    """Room for one full checkpoint, keep_latest_k 2: the second save fails. It says so in one
+    line (exit 2), its partial step is gone, the first step is intact (keep_latest_k never frees
+    the newest complete one), and a rerun resumes from it."""
+    dump = disk("8m") / "run"
+    argv = _train_args(dump, 12)
+    argv[argv.index("--checkpoint.keep_latest_k") + 1] = "2"
+    line = _one_line(_titan("train", *argv, cwd=tmp_path))
+    assert (
+        line
+        == f"error: checkpoint: saving {dump}/checkpoint/step-8 failed: no space left on device"
+    )
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-4"]
+    assert not list(dump.rglob("*.tmp*"))
+    again = _titan("train", *argv, cwd=tmp_path)
+    assert again.returncode == 2 and "checkpoint/step-4 (step 4)" in again.stdout
+
+
+def test_retention_makes_room_when_the_disk_is_full(
+    disk: Any, tmp_path: Path, assets: Path
+) -> None:
+    """Room for two full checkpoints, keep_latest_k 2: each save from the third on finds the
+    disk full, frees the step keep_latest_k would free after it (never the newest complete
+    one) and saves again; training ends with the newest two steps, losses unchanged."""
+    reference = _titan("train", *_train_args(tmp_path / "ref", 16), cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    dump = disk("13m") / "run"
+    argv = _train_args(dump, 16)
+    argv[argv.index("--checkpoint.keep_latest_k") + 1] = "2"
+    proc = _titan("train", *argv, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Removed checkpoint step-4 early to make room" in proc.stdout
+    assert "step-12 failed (no space left on device): freed older steps" in proc.stdout
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-12", "step-16"]
+
+    def losses(folder: Path) -> list[float]:
+        rows = (folder / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(r)["loss"] for r in rows]
+
+    assert losses(dump) == losses(tmp_path / "ref")

@@ -7,10 +7,12 @@ own metadata), so a process killed mid-save leaves the previous step as the one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
 import re
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -28,7 +30,7 @@ from titan_core.checkpoint.dcp_io import dcp_reader, dcp_writer
 from titan_core.checkpoint.states import LoadPlanner
 from titan_core.config.dtypes import TORCH_DTYPES
 from titan_core.config.job import Checkpoint as CheckpointConfig
-from titan_core.errors import CheckpointError, storage_errors
+from titan_core.errors import CheckpointError, first_line, os_error_words, storage_errors
 from titan_core.logging import logger
 from titan_core.models import model_from_description
 
@@ -53,6 +55,33 @@ def complete_steps(folder: str) -> list[int]:
         if match and storage.exists(storage.join(folder, name, COMMIT_MARKER)):
             steps.append(int(match.group(1)))
     return sorted(steps)
+
+
+NO_SPACE = "no space left on device"
+
+
+def save_failure_words(error: BaseException, folder: str) -> str:
+    """Why a checkpoint save failed, in words: the OSError in its chain (``no space left on
+    device``, ``read-only file system``, ...); torch's zip writer turns a full disk into
+    "unexpected pos", so a local folder with less than 1% or 64 MiB free counts as full."""
+    seen: list[BaseException] = []
+    todo: list[BaseException] = [error]
+    while todo:
+        e = todo.pop()
+        if e in seen:
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno is not None:
+            return os_error_words(e)
+        failures = getattr(e, "failures", None) or {}
+        todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    if not storage.is_url(folder):
+        with contextlib.suppress(OSError):
+            usage = shutil.disk_usage(os.path.expanduser(folder))
+            if usage.free < max(usage.total // 100, 64 << 20):
+                return f"{NO_SPACE} ({usage.free >> 20} MiB free in {folder})"
+    return f"{type(error).__name__}: {first_line(error)}"
 
 
 def read_marker(step_dir: str) -> dict[str, Any] | None:
@@ -346,8 +375,19 @@ class CheckpointManager:
         writer = dcp_writer(path)
         start = time.perf_counter()
         if self.cfg.async_mode == "disabled" or blocking:
-            # One process without a process group (a seed, a single-rank run): say so to DCP.
-            dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+            try:
+                self._save_now(state, path)
+            except (Exception, dcp.CheckpointException) as e:
+                why = self._failed_save(path, e)
+                # A full disk: free what keep_latest_k would free after this save, then once more.
+                if not (why.startswith(NO_SPACE) and self._free_before_save(step)):
+                    raise CheckpointError(f"checkpoint: saving {path} failed: {why}") from None
+                logger.warning("Saving %s failed (%s): freed older steps, saving again", path, why)
+                try:
+                    self._save_now(state, path)
+                except (Exception, dcp.CheckpointException) as again:
+                    why = self._failed_save(path, again)
+                    raise CheckpointError(f"checkpoint: saving {path} failed: {why}") from None
             self._commit(path, step, model_only)
             logger.info("Saved checkpoint %s in %.2fs", path, time.perf_counter() - start)
         else:
@@ -392,6 +432,36 @@ class CheckpointManager:
             if path != self.seed_dir:
                 self._purge(step)
 
+    def _save_now(self, state: dict[str, Any], path: str) -> None:
+        # One process without a process group (a seed, a single-rank run): say so to DCP.
+        dcp.save(state, storage_writer=dcp_writer(path), no_dist=not dist.is_initialized())
+
+    def _failed_save(self, path: str, error: BaseException) -> str:
+        """After a failed save of ``path``: remove what it wrote (rank 0; the folder is this
+        save's own, emptied before it began) and say why in words."""
+        if dist.is_initialized():
+            dist.barrier()
+        if self.rank == 0:
+            with contextlib.suppress(Exception):
+                storage.remove_tree(path)
+        if dist.is_initialized():
+            dist.barrier()
+        return save_failure_words(error, self.folder)
+
+    def _free_before_save(self, step: int) -> bool:
+        """Remove the complete steps that keep_latest_k removes once ``step`` is saved, never
+        the newest complete one; whether any was removed (all ranks agree: one listing)."""
+        keep = self.cfg.keep_latest_k
+        complete = [s for s in complete_steps(self.folder) if s < step]
+        doomed = complete[: -max(keep - 1, 1)] if keep else []
+        if self.rank == 0:
+            for old in doomed:
+                storage.remove_tree(self.step_dir(old))
+                logger.warning("Removed checkpoint step-%d early to make room", old)
+        if dist.is_initialized():
+            dist.barrier()
+        return bool(doomed)
+
     def _purge(self, newest: int) -> None:
         """Drop complete steps beyond keep_latest_k and incomplete debris older than ``newest``."""
         keep = self.cfg.keep_latest_k
@@ -422,7 +492,14 @@ class CheckpointManager:
             return
         future, step, model_only = self._pending
         self._pending = None
-        future.result()
+        try:
+            future.result()
+        except (Exception, dcp.CheckpointException) as e:  # the write failed: no half-written step
+            path = self.step_dir(step)
+            why = self._failed_save(path, e)
+            if why.startswith(NO_SPACE):
+                self._free_before_save(step)  # room for the next save, after a restart
+            raise CheckpointError(f"checkpoint: saving {path} failed: {why}") from None
         self._commit(self.step_dir(step), step, model_only)
         logger.info("Background checkpoint step-%d committed", step)
 
