@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -111,13 +112,10 @@ def test_read_only_output_is_one_line_before_anything_runs(
 
 
 def test_read_only_eval_output_is_one_line_before_scoring(
-    read_only: tuple[Path, str], tmp_path: Path, assets: Path
+    read_only: tuple[Path, str], trained: Path, tmp_path: Path
 ) -> None:
     folder, words = read_only
-    trained = _titan("train", *TINY, "--job.dump_folder", "run", "--checkpoint.enable",
-                     "--checkpoint.interval", "2", cwd=tmp_path)  # fmt: skip
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    step = tmp_path / "run" / "checkpoint" / "step-2"
+    step = trained / "checkpoint" / "step-4"
     proc = _titan("eval", "--checkpoint", str(step), "--output", str(folder), cwd=tmp_path)
     assert _one_line(proc) == f"error: --output: {folder}: {words}"
     assert "loss" not in proc.stdout  # not scored first
@@ -157,6 +155,27 @@ def _train_args(dump: Path, steps: int) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> Path:
+    """A 16-step run (full checkpoints at steps 4, 8, 12 and 16, all kept) to copy and harm."""
+    from titan_core.resolve import parse_args
+    from titan_core.train import run
+
+    dump = tmp_path_factory.mktemp("trained") / "run"
+    run(parse_args(_train_args(dump, 16)))
+    return dump
+
+
+def _copy(trained: Path, to: Path) -> Path:
+    shutil.copytree(trained, to)
+    return to
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
 @pytest.mark.parametrize(
     "harm, says",
     [
@@ -168,39 +187,30 @@ def _train_args(dump: Path, steps: int) -> list[str]:
     ids=["marker", "truncated-data", "missing-data", "truncated-metadata"],
 )
 def test_resume_passes_over_a_damaged_newest_step(
-    harm: Any, says: str, tmp_path: Path, assets: Path
+    harm: Any, says: str, trained: Path, tmp_path: Path
 ) -> None:
     """The newest step damaged (a full disk cut it short, a bad copy): the resume says so in one
     warning and loads the previous complete step, bitwise as that step left it; eval refuses
     the damaged step in one line naming the file."""
-    from titan_core.resolve import parse_args
-    from titan_core.train import run
-
-    reference = {r["step"]: r["loss"] for r in run(parse_args(_train_args(tmp_path / "ref", 12)))}
-    dump = tmp_path / "run"
-    run(parse_args(_train_args(dump, 12)))
-    damaged = dump / "checkpoint" / "step-12"
+    dump = _copy(trained, tmp_path / "run")
+    damaged = dump / "checkpoint" / "step-16"
     harm(damaged)
     if "marker" in says or ".metadata" in says:  # eval refuses the damaged step in one line
         line = _one_line(_titan("eval", "--checkpoint", str(damaged), cwd=tmp_path))
         assert str(damaged) in line and ("does not parse" in line or "metadata" in line), line
-    proc = _titan("train", *_train_args(dump, 12), cwd=tmp_path)
+    proc = _titan("train", *_train_args(dump, 16), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warning = next(line for line in proc.stdout.splitlines() if "is damaged" in line)
-    assert "step-12 is damaged, not loaded: " in warning and says in warning, warning
-    assert "checkpoint/step-8 (step 8)" in proc.stdout
+    assert "step-16 is damaged, not loaded: " in warning and says in warning, warning
+    assert "checkpoint/step-12 (step 12)" in proc.stdout
     logged = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     resumed = {r["step"]: r["loss"] for r in logged[-4:]}
-    assert resumed == {s: reference[s] for s in range(9, 13)}  # step 8's state, bitwise
+    reference = _losses(trained)
+    assert resumed == {s: reference[s] for s in range(13, 17)}  # step 12's state, bitwise
 
 
-def test_eval_refuses_a_truncated_model_file_naming_it(tmp_path: Path, assets: Path) -> None:
-    from titan_core.resolve import parse_args
-    from titan_core.train import run
-
-    dump = tmp_path / "run"
-    run(parse_args(_train_args(dump, 4)))
-    step = dump / "checkpoint" / "step-4"
+def test_eval_refuses_a_truncated_model_file_naming_it(trained: Path, tmp_path: Path) -> None:
+    step = _copy(trained, tmp_path / "run") / "checkpoint" / "step-4"
     for data in step.glob("*.distcp"):  # into the model's tensors (half may cut optimizer only)
         _cut(data, 64)
     line = _one_line(_titan("eval", "--checkpoint", str(step), cwd=tmp_path))
@@ -208,17 +218,13 @@ def test_eval_refuses_a_truncated_model_file_naming_it(tmp_path: Path, assets: P
     assert line.endswith("(truncated)")
 
 
-def test_every_complete_step_damaged_is_one_line(tmp_path: Path, assets: Path) -> None:
-    from titan_core.resolve import parse_args
-    from titan_core.train import run
-
-    dump = tmp_path / "run"
-    run(parse_args(_train_args(dump, 8)))
-    for step in ("step-4", "step-8"):
+def test_every_complete_step_damaged_is_one_line(trained: Path, tmp_path: Path) -> None:
+    dump = _copy(trained, tmp_path / "run")
+    for step in ("step-4", "step-8", "step-12", "step-16"):
         (dump / "checkpoint" / step / ".titan_complete").write_text("")
-    line = _one_line(_titan("train", *_train_args(dump, 12), cwd=tmp_path))
-    assert "every complete step in" in line and "step-8/.titan_complete" in line
-    assert (dump / "checkpoint" / "step-8" / "__0_0.distcp").exists()  # nothing deleted
+    line = _one_line(_titan("train", *_train_args(dump, 20), cwd=tmp_path))
+    assert "every complete step in" in line and "step-16/.titan_complete" in line
+    assert (dump / "checkpoint" / "step-16" / "__0_0.distcp").exists()  # nothing deleted
 
 
 def _cut(path: Path, size: int = -1) -> None:
@@ -263,13 +269,11 @@ def test_a_checkpoint_save_on_a_full_disk_is_one_line_and_removes_its_step(
 
 
 def test_retention_makes_room_when_the_disk_is_full(
-    disk: Any, tmp_path: Path, assets: Path
+    disk: Any, trained: Path, tmp_path: Path
 ) -> None:
     """Room for two full checkpoints, keep_latest_k 2: each save from the third on finds the
     disk full, frees the step keep_latest_k would free after it (never the newest complete
     one) and saves again; training ends with the newest two steps, losses unchanged."""
-    reference = _titan("train", *_train_args(tmp_path / "ref", 16), cwd=tmp_path)
-    assert reference.returncode == 0, reference.stderr[-3000:]
     dump = disk("13m") / "run"
     argv = _train_args(dump, 16)
     argv[argv.index("--checkpoint.keep_latest_k") + 1] = "2"
@@ -278,9 +282,4 @@ def test_retention_makes_room_when_the_disk_is_full(
     assert "Removed checkpoint step-4 early to make room" in proc.stdout
     assert "step-12 failed (no space left on device): freed older steps" in proc.stdout
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-12", "step-16"]
-
-    def losses(folder: Path) -> list[float]:
-        rows = (folder / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(r)["loss"] for r in rows]
-
-    assert losses(dump) == losses(tmp_path / "ref")
+    assert _losses(dump) == _losses(trained)
