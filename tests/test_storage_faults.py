@@ -76,8 +76,10 @@ def small_disk(disk: Any) -> Path:
     return disk("64k")
 
 
-def _titan(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _titan(
+    *argv: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "titan_core.cli", *argv],
         capture_output=True,
@@ -198,10 +200,22 @@ def test_resume_passes_over_a_damaged_newest_step(
     if "marker" in says or ".metadata" in says:  # eval refuses the damaged step in one line
         line = _one_line(_titan("eval", "--checkpoint", str(damaged), cwd=tmp_path))
         assert str(damaged) in line and ("does not parse" in line or "metadata" in line), line
-    proc = _titan("train", *_train_args(dump, 16), cwd=tmp_path)
+    env = {}
+    if "marker" in says:  # and the MLflow run the metrics stream to says so too
+        from mlflow.tracking import MlflowClient
+
+        from titan_core.components.mlflow_sink import RUN_ID_ENV, TRACKING_URI_ENV
+
+        uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        mlflow_run = MlflowClient(uri).create_run(MlflowClient(uri).create_experiment("x"))
+        env = {RUN_ID_ENV: mlflow_run.info.run_id, TRACKING_URI_ENV: uri}
+    proc = _titan("train", *_train_args(dump, 16), cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warning = next(line for line in proc.stdout.splitlines() if "is damaged" in line)
     assert "step-16 is damaged, not loaded: " in warning and says in warning, warning
+    if env:
+        params = MlflowClient(uri).get_run(mlflow_run.info.run_id).data.params
+        assert params["checkpoint.damaged.step-16"] == warning.split("not loaded: ", 1)[1]
     assert "checkpoint/step-12 (step 12)" in proc.stdout
     logged = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     resumed = {r["step"]: r["loss"] for r in logged[-4:]}

@@ -323,9 +323,12 @@ class Trainer:
         dtype = compute_dtype(cfg.training, self.parallel_dims.fsdp_enabled)
         peak = device_peak_tflops(self.device, cfg.metrics, dtype)
         logger.info("MFU divides by a peak of %.4g TFLOP/s per rank (%s)", peak.tflops, peak.source)
+        params = {"mfu.peak_tflops": f"{peak.tflops:.6g}", "mfu.peak": peak.source}
+        # Damaged steps the resume passed over (newest first), each with why.
+        params |= {f"checkpoint.damaged.step-{s}": why for s, why in self.checkpointer.skipped}
         for sink in sinks:  # recorded with the run: MLflow params
             if hasattr(sink, "log_params"):
-                sink.log_params({"mfu.peak_tflops": f"{peak.tflops:.6g}", "mfu.peak": peak.source})
+                sink.log_params(params)
         return MetricsProcessor(
             cfg.metrics,
             self.flops_per_token,
