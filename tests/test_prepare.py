@@ -78,6 +78,11 @@ def _jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
     return path
 
 
+def _rows(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 def _split_docs(url: str, split: str) -> list[list[int]]:
     """Every document of ``split`` as token ids, in stream order, straight from the files."""
     manifest = read_manifest(url)
@@ -331,8 +336,11 @@ def test_plan_tokenize_commit_are_separable(tmp_path: Path, tok_path: str) -> No
          r"f.jsonl: rows have no field 'text' \(fields: body, id\); set data.text_field"),
         (lambda d: str(d / "x.csv"), r"x.csv: not a .txt/.jsonl/.json/.parquet file"),
         (lambda d: "hf:org/name?colour=red", r"unknown option colour"),
+        (lambda d: str(_rows(d / "g.jsonl", [{"text": "fine"}, {"text": 42}])),
+         r"g.jsonl: row 2: field 'text' holds int 42, expected a string"),
     ],
-    ids=["missing", "scheme", "no-files", "no-docs", "no-field", "suffix", "hf-option"],
+    ids=["missing", "scheme", "no-files", "no-docs", "no-field", "suffix", "hf-option",
+         "number-text"],
 )  # fmt: skip
 def test_bad_source_fails_before_writing(
     tmp_path: Path, tok_path: str, make: Any, expected: str

@@ -227,13 +227,23 @@ def _row_documents(
     rows: Iterator[Any], where: str, text_field: str, stats: dict[str, int], *, check: Any = None
 ) -> Iterator[str]:
     check = check if check is not None else _FieldCheck(where, text_field)
-    for row in rows:
+    for number, row in enumerate(rows, 1):
         check(row)
         text = row.get(text_field) if isinstance(row, dict) else None
         if isinstance(text, str) and text.strip():
             yield text
-        else:
+        elif text is None or isinstance(text, str):  # no text (null, missing) or blank
             stats["skipped_empty"] += 1
+        else:  # a number, a list, an object: the wrong field, or a broken export
+            raise DataError(
+                f"{where}: row {number}: field {text_field!r} holds {type(text).__name__} "
+                f"{_short(text)}, expected a string"
+            )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _parquet_documents(url: str, text_field: str, stats: dict[str, int]) -> Iterator[str]:
