@@ -83,6 +83,12 @@ def _rows(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
+def _cut_bz2(path: Path) -> str:
+    data = bz2.compress("".join(json.dumps({"text": d}) + "\n" for d in DOCS).encode())
+    path.write_bytes(data[: len(data) // 2])
+    return str(path)
+
+
 def _split_docs(url: str, split: str) -> list[list[int]]:
     """Every document of ``split`` as token ids, in stream order, straight from the files."""
     manifest = read_manifest(url)
@@ -338,9 +344,16 @@ def test_plan_tokenize_commit_are_separable(tmp_path: Path, tok_path: str) -> No
         (lambda d: "hf:org/name?colour=red", r"unknown option colour"),
         (lambda d: str(_rows(d / "g.jsonl", [{"text": "fine"}, {"text": 42}])),
          r"g.jsonl: row 2: field 'text' holds int 42, expected a string"),
+        # Compressed files that are not what their extension says, or cut short.
+        (lambda d: str(_rows(d / "h.jsonl.zst", [{"text": "plain"}])),
+         r"h.jsonl.zst: not a readable .zst file \(ZstdError: "),
+        (lambda d: str(_rows(d / "i.jsonl.xz", [{"text": "plain"}])),
+         r"i.jsonl.xz: not a readable .xz file \(LZMAError: "),
+        (lambda d: _cut_bz2(d / "j.jsonl.bz2"),
+         r"j.jsonl.bz2: not a readable .bz2 file \(EOFError"),
     ],
     ids=["missing", "scheme", "no-files", "no-docs", "no-field", "suffix", "hf-option",
-         "number-text"],
+         "number-text", "fake-zst", "fake-xz", "cut-bz2"],
 )  # fmt: skip
 def test_bad_source_fails_before_writing(
     tmp_path: Path, tok_path: str, make: Any, expected: str

@@ -269,7 +269,36 @@ def _parquet_documents(url: str, text_field: str, stats: dict[str, int]) -> Iter
 
 
 def raw_rows(file: str) -> Iterator[tuple[str, Any]]:
-    """(kind, raw) per row: ("txt", block bytes), ("jsonl", line bytes) or ("row", parsed row)."""
+    """(kind, raw) per row: ("txt", block bytes), ("jsonl", line bytes) or ("row", parsed row).
+
+    A compressed file that is not what its extension says (or is cut short) is one DataError
+    line naming it, wherever reading stops."""
+    suffix = file.rsplit(".", 1)[-1]
+    compressed = strip_compression(file) != file
+    try:
+        yield from _raw_rows(file)
+    except DataError:
+        raise
+    except Exception as e:
+        if not (compressed and _is_decompression_error(e)):
+            raise
+        raise DataError(
+            f"{file}: not a readable .{suffix} file ({type(e).__name__}: {first_line(e)})"
+        ) from None
+
+
+def _is_decompression_error(e: Exception) -> bool:
+    """A decoder's complaint (gzip's BadGzipFile, bz2's OSError, an EOFError for a cut-short
+    stream, lzma's LZMAError, zstandard's ZstdError, zlib.error); not a missing or denied file."""
+    if isinstance(e, FileNotFoundError | PermissionError):
+        return False
+    if isinstance(e, OSError | EOFError | ValueError):
+        return True
+    origin = f"{type(e).__module__}.{type(e).__name__}".lower()
+    return any(name in origin for name in ("lzma", "zstd", "bz2", "gzip", "zlib"))
+
+
+def _raw_rows(file: str) -> Iterator[tuple[str, Any]]:
     with fsspec.open(file, "rb", compression="infer") as raw:
         # zstd's stream reader has no readline/line iteration: buffer every decompressor alike.
         f = (
