@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -401,6 +402,28 @@ def test_bad_data_fails_with_one_line_naming_the_file(tmp_path: Path) -> None:
     short = str(tmp_path / "short")
     write_docs(short, [[[5, 6, 7]]])
     assert "fewer than training.seq_len + 1" in _one_line_data_error(short)
+
+
+def test_damaged_shards_of_the_right_size_are_one_line_naming_them(tmp_path: Path) -> None:
+    """Only a checksum notices a shard rewritten at its size: ids beyond the vocabulary or
+    document offsets that do not increase are refused when read, naming the file (they were an
+    IndexError in the embedding and silently wrong document masks)."""
+    url = str(tmp_path / "ds")
+    manifest = write_docs(url, random_docs(3, 2, 6))
+    tokens, docs = shards.shard_urls(url, manifest.shards[0])
+    original = Path(tokens).read_bytes()
+    Path(tokens).write_bytes(b"\xff" * len(original))  # id 65535 >= the 50,000 of the vocab
+    with pytest.raises(DataError) as info:
+        _take(_loader(url, shuffle=False), 2)
+    message = str(info.value)
+    assert message.startswith(f"{tokens}: token ") and "beyond the tokenizer's 50000 ids" in message
+    Path(tokens).write_bytes(original)
+    ends = np.fromfile(docs, dtype=shards.DOC_DTYPE)
+    ends[1:3] = ends[2:0:-1]  # two offsets swapped: no longer increasing
+    ends.tofile(docs)
+    with pytest.raises(DataError, match=f"^{re.escape(docs)}: document offsets are not"):
+        _take(_loader(url, shuffle=False, document_masking=True), 2)
+    _take(_loader(url, shuffle=False), 2)  # without masking the offsets are not read
 
 
 def test_dispatch_keeps_raw_text_on_the_raw_path(

@@ -176,6 +176,10 @@ class SplitReader:
         self.seq_len = seq_len
         self.shards = manifest.split_shards(split)
         self.dtype = np.dtype(manifest.dtype)
+        # Every id read is checked against it: a damaged shard of the right size (only a
+        # checksum would notice) is one line naming it, not an IndexError in the embedding.
+        self.vocab_size = int(manifest.tokenizer.get("vocab_size") or 0)
+        self._checked_ends: set[int] = set()
         counts = [s.num_tokens for s in self.shards]
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])  # (shards + 1,)
         self._urls = [shards.shard_urls(url, s) for s in self.shards]
@@ -209,7 +213,14 @@ class SplitReader:
         )
         out = np.empty((len(samples), self.seq_len + 1), dtype=np.int64)
         fill = np.zeros(len(samples), dtype=np.int64)
-        for (row, _, _, _), part in zip(pieces, parts, strict=True):
+        for (row, shard, lo, _), part in zip(pieces, parts, strict=True):
+            if self.vocab_size and len(part) and int(part.max()) >= self.vocab_size:
+                at = lo + int(np.argmax(part >= self.vocab_size))
+                raise DataError(
+                    f"{self._urls[shard][0]}: token {at} is id {int(part.max())}, beyond the "
+                    f"tokenizer's {self.vocab_size} ids: the shard is damaged; prepare the data "
+                    "again (dataloader.verify=checksum finds such shards before training)"
+                )
             out[row, fill[row] : fill[row] + len(part)] = part
             fill[row] += len(part)
         if not (fill == self.seq_len + 1).all():
@@ -257,7 +268,26 @@ class SplitReader:
                     break
                 span *= 2
                 a, b = (a if left else max(a - span, 0)), (b if right else min(b + span, n))
+        self._check_ends(shard, ends)
         return ends[np.searchsorted(ends, lo, side="right") : np.searchsorted(ends, hi, "right")]
+
+    def _check_ends(self, shard: int, ends: np.ndarray) -> None:
+        """Document ends strictly increase within the shard's tokens (a whole local array is
+        checked once, and ends at the shard's size; a remote slice each time it is read)."""
+        tokens = self.shards[shard].num_tokens
+        whole = len(ends) == self.shards[shard].num_docs
+        if whole and shard in self._checked_ends:
+            return
+        bad = len(ends) and (
+            bool((np.diff(ends) <= 0).any()) or int(ends[0]) <= 0 or int(ends[-1]) > tokens
+        )
+        if bad or (whole and len(ends) and int(ends[-1]) != tokens):
+            raise DataError(
+                f"{self._urls[shard][1]}: document offsets are not increasing ends within the "
+                f"shard's {tokens} tokens: the shard is damaged; prepare the data again"
+            )
+        if whole:
+            self._checked_ends.add(shard)
 
     def _pieces(self, samples: np.ndarray, length: int | None = None) -> list[tuple[int, ...]]:
         """(row, shard, first, end) token ranges, shard-local, covering each sample's window."""
