@@ -7,6 +7,7 @@ may mount (root, as in CI); elsewhere a folder without write permission stands i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -297,3 +298,79 @@ def test_retention_makes_room_when_the_disk_is_full(
     assert "step-12 failed (no space left on device): freed older steps" in proc.stdout
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-12", "step-16"]
     assert _losses(dump) == _losses(trained)
+
+
+PREPARE_MOMENTS = {"first-shard": 1, "half-the-shards": 8, "manifest": -1}
+
+
+def _prepare_until(out: Path, moment: int, sig: int, cwd: Path, partner: bool) -> None:
+    """Start ``titan data prepare`` of the bundled corpus into ``out`` (and, with ``partner``, a
+    second one of the same dataset beside it, left to finish); send ``sig`` to the first when
+    ``moment`` shard files exist (-1: once its manifest is written)."""
+    import time
+
+    from titan_core.data.assets import bundled_corpus_dir
+
+    argv = [sys.executable, "-m", "titan_core.cli", "data", "prepare"]
+    argv += [str(bundled_corpus_dir() / "train"), "--out", str(out), "--data.workers", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "cwd": cwd, "env": env}
+    victim = subprocess.Popen(argv, **pipes)  # type: ignore[call-overload]
+    other = subprocess.Popen(argv, **pipes) if partner else None  # type: ignore[call-overload]
+    deadline = time.monotonic() + 120
+    while victim.poll() is None and time.monotonic() < deadline:
+        shard_files = list(out.glob("*/shards/*.tokens"))
+        done = list(out.glob("*/manifest.json")) if moment < 0 else []
+        if (moment >= 0 and len(shard_files) >= moment) or done:
+            victim.send_signal(sig)
+            break
+        time.sleep(0.002)
+    victim.communicate(timeout=120)
+    if other is not None:
+        other.communicate(timeout=120)
+
+
+@pytest.mark.parametrize(
+    "sig, moment, partner",
+    [
+        (9, "first-shard", False),
+        (9, "manifest", False),  # killed after its commit: the temp files of its last writes
+        (2, "half-the-shards", False),
+        (2, "manifest", False),
+        (9, "half-the-shards", True),  # beside a prepare of the same dataset, left to finish
+        (2, "first-shard", True),
+    ],
+    ids=["kill-9-early", "kill-9-late", "ctrl-c-mid", "ctrl-c-late", "kill-9-concurrent",
+         "ctrl-c-concurrent"],
+)  # fmt: skip
+def test_an_interrupted_prepare_never_leaves_a_cached_broken_dataset(
+    sig: int, moment: str, partner: bool, tmp_path: Path, assets: Path
+) -> None:
+    """kill -9 or Ctrl-C at several moments, alone and beside a concurrent prepare of the same
+    dataset: afterwards a prepare says "cached" only of a dataset whose every shard verifies,
+    and the dataset is byte for byte the one an undisturbed prepare writes."""
+    from titan_core.data.assets import bundled_corpus_dir, default_tokenizer_path
+    from titan_core.data.prepare import PrepareSpec, prepare
+    from titan_core.data.shards import read_manifest, verify_shards
+
+    out = tmp_path / "data"
+    _prepare_until(out, PREPARE_MOMENTS[moment], sig, tmp_path, partner)
+    spec = PrepareSpec(
+        sources=(str(bundled_corpus_dir() / "train"),),
+        tokenizer_path=str(default_tokenizer_path()),
+        root=str(out),
+    )
+    after = prepare(spec, workers=1)
+    verify_shards(after.url, read_manifest(after.url), checksum=True)
+    again = prepare(spec, workers=1)
+    assert again.cached  # and now, since it verified, "cached" is true
+    clean = prepare(dataclasses.replace(spec, root=str(tmp_path / "clean")), workers=1)
+    ours = sorted(p.relative_to(out) for p in Path(after.url).rglob("*") if p.is_file())
+    theirs = sorted(
+        p.relative_to(tmp_path / "clean") for p in Path(clean.url).rglob("*") if p.is_file()
+    )
+    assert ours == theirs
+    for rel in ours:
+        if rel.name != "manifest.json":  # shard bytes equal; the manifest lists the same shards
+            assert (out / rel).read_bytes() == (tmp_path / "clean" / rel).read_bytes(), rel
+    assert read_manifest(after.url).shards == read_manifest(clean.url).shards

@@ -50,6 +50,7 @@ from titan_core.data.shards import (
     damaged_units,
     manifest_url,
     read_manifest,
+    remove_orphan_temps,
     token_dtype,
     tokenizer_info,
     write_manifest,
@@ -488,6 +489,8 @@ def prepare(
     plan = plan_prepare(spec)
     if on_plan is not None:
         on_plan(plan)
+    if removed := remove_orphan_temps(plan.url):
+        logger.info("data: removed %d temp file(s) of killed prepares", len(removed))
     if not plan.todo:
         return PrepareResult(
             url=plan.url,

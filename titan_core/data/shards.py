@@ -250,6 +250,34 @@ def damaged_units(dataset_url: str, manifest: Manifest) -> dict[str, str]:
     return damaged
 
 
+def remove_orphan_temps(dataset_url: str) -> list[str]:
+    """Remove the temp files of shard writers that died on this host (``kill -9`` gives them
+    no chance to clean up): ``<shard>.<pid>.tmp`` whose process is gone. Local folders only
+    (an object store has no temp files); returns what was removed."""
+    fs, root = fsspec.core.url_to_fs(os.path.expanduser(dataset_url))
+    if "file" not in fs.protocol:
+        return []
+    folder = posixpath.join(root.rstrip("/"), SHARD_DIR)
+    removed = []
+    for path in fs.glob(posixpath.join(folder, "*.tmp")):
+        pid = posixpath.basename(path).rsplit(".", 2)[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return True
+
+
 def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
     """The manifest's tokenizer entry for a ``titan_core.data.tokenizer.Tokenizer``."""
     return {
