@@ -503,8 +503,10 @@ def retrained(stack: Stack, pretrained: dict) -> Any:
 
     # What the line's pretrain run was given: the recipe, and where its root and store are.
     params = {"steps": STEPS, "recipe": "llama3_debugmodel_tiny", "config": _line_config(stack)}
-    now = datetime.datetime.now(datetime.UTC)
-    schedule = IntervalSchedule(interval=datetime.timedelta(seconds=60), anchor_date=now)
+    # Anchored so that its first occurrence is seconds away, not a whole interval.
+    interval = datetime.timedelta(seconds=60)
+    anchor = datetime.datetime.now(datetime.UTC) - interval + datetime.timedelta(seconds=5)
+    schedule = IntervalSchedule(interval=interval, anchor_date=anchor)
     with api(stack.prefect) as client:
         dep = client.read_deployment_by_name("retrain/nightly")
         (created,) = client.create_deployment_schedules(
