@@ -125,12 +125,12 @@ def test_bad_parallel_config_one_line_before_launch(
 ) -> None:
     """`titan train --ngpu N` rejects the config with one line; torchrun never starts."""
     import titan_core.cli as cli
-    from titan_core.cli import train as engine_cli
+    from titan_core.launch.local import LocalLauncher
 
-    def no_launch(*_: object) -> None:
+    def no_launch(*_: object, **__: object) -> None:
         raise AssertionError("torchrun was launched for a bad config")
 
-    monkeypatch.setattr(engine_cli.os, "execve", no_launch)
+    monkeypatch.setattr(LocalLauncher, "run", no_launch)
     dump = tmp_path / "out"
     code = cli.main([*TINY_CLI, "--ngpu", str(ngpu), "--job.dump_folder", str(dump), *args])
     err = capsys.readouterr().err.strip()

@@ -29,6 +29,7 @@ import dataclasses
 import difflib
 import functools
 import re
+import signal
 import sys
 import typing
 from collections.abc import Callable, Mapping
@@ -356,7 +357,8 @@ def run(main: Main, argv: list[str] | None = None) -> int:
 
     A user error (``TitanError``: ConfigError, DataError, CheckpointError, ...) is one
     ``error: <message>`` line on stderr and its exit code (2; 3 for ``CommError``); a failed
-    launch (``LaunchError``, already summarised) one line and 1; ``--help`` (tyro's
+    launch (``LaunchError``, already summarised) one line and 1, or the ranks' 2 or 4 where
+    a relaunch would fail the same way; Ctrl-C one line and 130; ``--help`` (tyro's
     ``SystemExit(0)``) returns 0. Anything else is a bug and keeps its traceback.
     """
     from titan_core.launch.failures import LaunchError
@@ -368,7 +370,10 @@ def run(main: Main, argv: list[str] | None = None) -> int:
         return e.exit_code
     except LaunchError as e:
         _print_error(e)
-        return 1
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     except SystemExit as e:
         if e.code in (0, None):
             return 0

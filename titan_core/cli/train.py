@@ -6,7 +6,6 @@ An engine command: it imports nothing of the pipeline layer (no Prefect, no MLfl
 from __future__ import annotations
 
 import dataclasses
-import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -14,7 +13,6 @@ from dataclasses import dataclass
 from titan_core.cli.command import Command
 from titan_core.config.job import Launch
 from titan_core.launch import Launcher, LaunchSpec, get_launcher
-from titan_core.launch.torchrun import job_environment
 
 
 @dataclass
@@ -50,7 +48,8 @@ def train(ngpu: int, log_rank: str, rest: list[str], dry_run: bool = False) -> i
     """``titan train``: in this process, or under torchrun on ``ngpu`` local processes.
 
     Several processes go through ``titan_core.launch``'s local backend, the same command builder
-    as ``titan launch`` and the pipeline's train task (``./run_train.sh`` calls this).
+    and supervision as ``titan launch`` and the pipeline's train task (``./run_train.sh`` calls
+    this).
     ``dry_run`` checks the config and prints the command instead of running it.
     """
     if ngpu > 1 and (simulated := _comm_mode_args(ngpu, rest)):
@@ -71,8 +70,10 @@ def train(ngpu: int, log_rank: str, rest: list[str], dry_run: bool = False) -> i
         if dry_run:
             print(launcher.render(spec))
             return 0
-        cmd = launcher.command(spec)
-        os.execve(cmd[0], cmd, job_environment(spec))
+        # Supervised as titan launch's jobs are: a rank's failure is one line, its exit code
+        # kept where a relaunch would fail the same way (a full disk: 2), and no process stays.
+        launcher.run(spec, on_line=lambda line: print(line, flush=True))
+        return 0
     if dry_run:
         print(shlex.join([sys.executable, "-m", "titan_core.train", *rest]))
         return 0

@@ -23,7 +23,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from titan_core.errors import CommError
+from titan_core.errors import CommError, TitanError
 from titan_core.logging import logger
 
 TRACE_SUBDIR = "comm_traces"
@@ -121,6 +121,8 @@ def dump_on_failure(side_folder: str) -> Iterator[None]:
     try:
         yield
     except (Exception, KeyboardInterrupt) as exc:
+        if isinstance(exc, TitanError) and not isinstance(exc, CommError):
+            raise  # the user's to act on (a full disk, bad data): one line, no trace to write
         path = dump_trace(side_folder)
         if path is None:
             raise

@@ -50,6 +50,12 @@ class LaunchError(RuntimeError):
         self.rank = rank
         self.retryable = retryable
 
+    @property
+    def exit_code(self) -> int:
+        """What a command exits with: the ranks' own code where a relaunch would fail the same
+        way (2: the user must act; 4: the health guard stopped the run), else 1."""
+        return self.exitcode if self.exitcode in _NOT_RETRIED and not self.retryable else 1
+
 
 def signal_name(num: int) -> str:
     """``SIGKILL`` for 9; ``signal 64`` for numbers without a name."""

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,10 @@ _TERM_GRACE_S = 40.0
 PEER_GRACE_S = 10.0
 _PEER_TERM_GRACE_S = 5.0  # after one agent fails, the others get this long to notice and exit
 
+# torchrun's report of a failed worker: an error log line per worker, then (as it exits) a
+# traceback of its own.
+_AGENT_FAILED_RE = re.compile(r"^E\d{4} .*torch/distributed/elastic/.*\] failed \(exitcode")
+_CHILD_FAILED_RE = re.compile(r"ChildFailedError|Root Cause \(first observed failure\)")
 _Lines = queue.Queue[tuple[int, str | None]]  # (agent, line); None: the agent's output ended
 _Tails = list[collections.deque[str]]  # per agent, its last lines, unprefixed
 
@@ -65,7 +70,8 @@ def run_agents(
                 timer = threading.Timer(spec.timeout_s, _expire, (agents, timed_out))
                 timer.daemon = True
                 timer.start()
-            num_lines, first_failed = _stream(agents, lines, tails, on_line, accept)
+            held: list[str] = []
+            num_lines, first_failed = _stream(agents, lines, tails, on_line, accept, held)
             codes = [p.wait() for p in agents.procs]
     except BaseException:
         agents.stop()
@@ -74,6 +80,9 @@ def run_agents(
         if timer is not None:
             timer.cancel()
         agents.close()
+    if not any(codes) or not any(_CHILD_FAILED_RE.search(line) for line in held):
+        for line in filter(accept, held):  # not torchrun's report of a failed rank: news
+            on_line(line)
     if any(codes):
         raise _failure(codes, first_failed, tails, spec, timed_out.is_set())
     return LaunchResult(
@@ -90,9 +99,15 @@ def _stream(
     tails: _Tails,
     on_line: LineCallback,
     accept: Callable[[str], bool],
+    held: list[str],
 ) -> tuple[int, int | None]:
     """Pass the agents' lines on until every agent's output has ended; returns the number of
-    lines streamed and the agent whose failure ends the job (None: none failed first)."""
+    lines streamed and the agent whose failure ends the job (None: none failed first).
+
+    An agent's report of a failed worker (its error line; its traceback, from which on it says
+    nothing else) goes to ``held``: the job's one-line error replaces it.
+    """
+    holding = [False] * len(tails)
     open_streams = len(tails)
     first_failed: int | None = None
     num_lines = 0
@@ -108,9 +123,14 @@ def _stream(
                 first_failed = i
             continue
         tails[i].append(line)
-        if i and not line.startswith("[rank"):
+        agent_line = not line.startswith("[rank")
+        holding[i] = holding[i] or (agent_line and line.startswith("Traceback (most recent"))
+        report = agent_line and (holding[i] or bool(_AGENT_FAILED_RE.match(line)))
+        if i and agent_line:
             line = f"[agent {i}] {line}"
-        if accept(line):
+        if report:
+            held.append(line)
+        elif accept(line):
             num_lines += 1
             on_line(line)
     return num_lines, first_failed
