@@ -106,3 +106,8 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     }
     with temporary_settings(updates=settings), prefect_test_harness(server_startup_timeout=180):
         yield home
+
+
+# --- storage faults: read-only and full file systems on demand (tests/storage_faults.py) --------
+
+from storage_faults import disk, read_only, small_disk  # noqa: E402, F401

@@ -31,6 +31,7 @@ from helpers import TINY
 from hf_helpers import assert_bitwise, convert_cli, dcp_model, hf_tensors
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from storage_faults import Disk, files_under, one_line, titan
 
 from titan_core import storage
 from titan_core.build import build_model_args
@@ -820,6 +821,26 @@ def test_existing_output_is_left_alone(
     rc, err = convert_cli(argv, capsys)
     assert rc == 2 and "already exists" in err and err.count("\n") == 1, err
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["keep.txt"]
+
+
+def test_a_full_or_read_only_output_is_one_line_and_leaves_nothing(
+    job: dict[str, Any], tmp_path: Path, disk: Disk, read_only: tuple[Path, str]
+) -> None:
+    """Read-only: refused before the checkpoint is read, both ways. A disk that fills up
+    during the export (1 MB, the weights are 1.7 MB): one line naming the output, and neither
+    it nor its temporary folder stays."""
+    folder, words = read_only
+    for argv in (
+        ["dcp-to-hf", "--checkpoint", str(job["step"])],
+        ["hf-to-dcp", "--hf", str(tmp_path / "not-read")],
+    ):
+        proc = titan("convert", *argv, "--output", str(folder / "out"), cwd=tmp_path)
+        assert one_line(proc) == f"error: --output: {folder / 'out'}: {words}"
+    full = disk("1m")
+    argv = ["dcp-to-hf", "--checkpoint", str(job["step"]), "--output", str(full / "hf")]
+    proc = titan("convert", *argv, "--dtype", "fp32", "--no-progress", cwd=tmp_path)
+    assert one_line(proc) == f"error: {full / 'hf'}: no space left on device"
+    assert files_under(full) == []
 
 
 def test_cli_module_entry_point(job: dict[str, Any], tmp_path: Path) -> None:

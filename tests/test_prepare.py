@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from storage_faults import Disk, files_under, one_line
 
 from titan_core.cli import data as data_cli
 from titan_core.data.assets import bundled_corpus_dir, default_tokenizer_path
@@ -518,6 +519,23 @@ def test_cli_prepare_info_verify(tmp_path: Path, assets: Path) -> None:
     bad = _titan("verify", url, "--checksum", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
     assert bad.stderr.startswith(f"error: {tokens_path}: checksum mismatch")
+
+
+def test_cli_prepare_on_a_read_only_or_full_disk(
+    tmp_path: Path, assets: Path, disk: Disk, read_only: tuple[Path, str]
+) -> None:
+    """Read-only: refused before any source is read. A full disk: one line naming the dataset,
+    and no shard, temp file or folder of this attempt stays."""
+    source = str(bundled_corpus_dir() / "validation")
+    folder, words = read_only
+    proc = _titan("prepare", source, "--out", str(folder / "data"), cwd=tmp_path)
+    assert one_line(proc) == f"error: --out: {folder / 'data'}: {words}"
+    full = disk("64k", free=8192)
+    line = one_line(_titan("prepare", source, "--out", str(full / "data"), cwd=tmp_path))
+    assert line.startswith(f"error: {full / 'data'}/") and line.endswith(
+        ": no space left on device"
+    )
+    assert files_under(full) == []
 
 
 def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path, tok_path: str) -> None:

@@ -1,8 +1,8 @@
 """Storage faults are inputs too: a read-only output folder or a full disk ends in one line that
 says what failed, where and why in words, with exit code 2, and leaves nothing behind.
 
-Real file systems: a read-only tmpfs and a 64 KiB tmpfs mounted for the test where this process
-may mount (root, as in CI); elsewhere a folder without write permission stands in for the first.
+Real file systems from tests/storage_faults.py (read-only and small tmpfs mounts), which the
+checkpoint, data, convert and eval tests use too.
 """
 
 from __future__ import annotations
@@ -14,88 +14,16 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from storage_faults import Disk, cut, one_line, titan
 
 from titan_core import storage
 from titan_core.errors import ConfigError, DataError, storage_errors
 
 TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny", "--training.steps", "2"]
-
-
-def _mount_tmpfs(target: Path, options: str) -> bool:
-    target.mkdir(parents=True, exist_ok=True)
-    cmd = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)]
-    return subprocess.run(cmd, capture_output=True).returncode == 0
-
-
-@pytest.fixture
-def read_only(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    """(a folder this process cannot write in, the words the error gives)."""
-    folder = tmp_path / "ro"
-    if os.geteuid() == 0:
-        if not _mount_tmpfs(folder, "ro,size=1m"):
-            pytest.skip("root without permission to mount a read-only tmpfs")
-        try:
-            yield folder, "read-only file system"
-        finally:
-            subprocess.run(["umount", str(folder)], check=False)
-        return
-    folder.mkdir()
-    folder.chmod(0o555)
-    try:
-        yield folder, "permission denied"
-    finally:
-        folder.chmod(0o755)
-
-
-@pytest.fixture
-def disk(tmp_path: Path) -> Iterator[Any]:
-    """``disk(size)``: a new file system of ``size`` (tmpfs: "64k", "8m"), unmounted after."""
-    mounted: list[Path] = []
-
-    def make(size: str) -> Path:
-        folder = tmp_path / f"disk-{len(mounted)}"
-        if os.geteuid() != 0 or not _mount_tmpfs(folder, f"size={size}"):
-            pytest.skip("needs root to mount a small tmpfs")
-        mounted.append(folder)
-        return folder
-
-    try:
-        yield make
-    finally:
-        for folder in mounted:
-            subprocess.run(["umount", str(folder)], check=False)
-
-
-@pytest.fixture
-def small_disk(disk: Any) -> Path:
-    """A 64 KiB file system."""
-    return disk("64k")
-
-
-def _titan(
-    *argv: str, cwd: Path, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "titan_core.cli", *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd,
-        timeout=300,
-    )
-
-
-def _one_line(proc: subprocess.CompletedProcess[str]) -> str:
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
-    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -108,8 +36,8 @@ def test_read_only_output_is_one_line_before_anything_runs(
 ) -> None:
     folder, words = read_only
     run = folder / "run"
-    proc = _titan(*command, *TINY, "--job.dump_folder", str(run), cwd=tmp_path)
-    assert _one_line(proc) == f"error: job.dump_folder: {run}: {words}"
+    proc = titan(*command, *TINY, "--job.dump_folder", str(run), cwd=tmp_path)
+    assert one_line(proc) == f"error: job.dump_folder: {run}: {words}"
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "step:" not in proc.stdout  # nothing trained
 
@@ -119,8 +47,8 @@ def test_read_only_eval_output_is_one_line_before_scoring(
 ) -> None:
     folder, words = read_only
     step = trained / "checkpoint" / "step-4"
-    proc = _titan("eval", "--checkpoint", str(step), "--output", str(folder), cwd=tmp_path)
-    assert _one_line(proc) == f"error: --output: {folder}: {words}"
+    proc = titan("eval", "--checkpoint", str(step), "--output", str(folder), cwd=tmp_path)
+    assert one_line(proc) == f"error: --output: {folder}: {words}"
     assert "loss" not in proc.stdout  # not scored first
 
 
@@ -183,9 +111,9 @@ def _losses(dump: Path) -> dict[int, float]:
     "harm, says",
     [
         (lambda step: (step / ".titan_complete").write_text("{not json"), "commit marker does not"),
-        (lambda step: _cut(step / "__0_0.distcp"), "(truncated)"),
+        (lambda step: cut(step / "__0_0.distcp"), "(truncated)"),
         (lambda step: (step / "__0_0.distcp").unlink(), "data file missing"),
-        (lambda step: _cut(step / ".metadata"), ".metadata is not DCP metadata"),
+        (lambda step: cut(step / ".metadata"), ".metadata is not DCP metadata"),
     ],
     ids=["marker", "truncated-data", "missing-data", "truncated-metadata"],
 )
@@ -199,7 +127,7 @@ def test_resume_passes_over_a_damaged_newest_step(
     damaged = dump / "checkpoint" / "step-16"
     harm(damaged)
     if "marker" in says or ".metadata" in says:  # eval refuses the damaged step in one line
-        line = _one_line(_titan("eval", "--checkpoint", str(damaged), cwd=tmp_path))
+        line = one_line(titan("eval", "--checkpoint", str(damaged), cwd=tmp_path))
         assert str(damaged) in line and ("does not parse" in line or "metadata" in line), line
     env = {}
     if "marker" in says:  # and the MLflow run the metrics stream to says so too
@@ -210,7 +138,7 @@ def test_resume_passes_over_a_damaged_newest_step(
         uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
         mlflow_run = MlflowClient(uri).create_run(MlflowClient(uri).create_experiment("x"))
         env = {RUN_ID_ENV: mlflow_run.info.run_id, TRACKING_URI_ENV: uri}
-    proc = _titan("train", *_train_args(dump, 16), cwd=tmp_path, env=env)
+    proc = titan("train", *_train_args(dump, 16), cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warning = next(line for line in proc.stdout.splitlines() if "is damaged" in line)
     assert "step-16 is damaged, not loaded: " in warning and says in warning, warning
@@ -227,25 +155,19 @@ def test_resume_passes_over_a_damaged_newest_step(
 def test_eval_refuses_a_truncated_model_file_naming_it(trained: Path, tmp_path: Path) -> None:
     step = _copy(trained, tmp_path / "run") / "checkpoint" / "step-4"
     for data in step.glob("*.distcp"):  # into the model's tensors (half may cut optimizer only)
-        _cut(data, 64)
-    line = _one_line(_titan("eval", "--checkpoint", str(step), cwd=tmp_path))
+        cut(data, 64)
+    line = one_line(titan("eval", "--checkpoint", str(step), cwd=tmp_path))
     assert line.startswith(f"error: --checkpoint: {step}/__") and ".distcp: 64 bytes" in line
     assert line.endswith("(truncated)")
 
 
-def test_every_complete_step_damaged_is_one_line(trained: Path, tmp_path: Path) -> None:
+def test_every_complete_step_damaged_isone_line(trained: Path, tmp_path: Path) -> None:
     dump = _copy(trained, tmp_path / "run")
     for step in ("step-4", "step-8", "step-12", "step-16"):
         (dump / "checkpoint" / step / ".titan_complete").write_text("")
-    line = _one_line(_titan("train", *_train_args(dump, 20), cwd=tmp_path))
+    line = one_line(titan("train", *_train_args(dump, 20), cwd=tmp_path))
     assert "every complete step in" in line and "step-16/.titan_complete" in line
     assert (dump / "checkpoint" / "step-16" / "__0_0.distcp").exists()  # nothing deleted
-
-
-def _cut(path: Path, size: int = -1) -> None:
-    """Cut ``path`` to ``size`` bytes (default: half)."""
-    with open(path, "r+b") as f:
-        f.truncate(size if size >= 0 else max(1, path.stat().st_size // 2))
 
 
 def test_prepare_on_a_full_disk_says_so_and_leaves_no_file(
@@ -263,41 +185,58 @@ def test_prepare_on_a_full_disk_says_so_and_leaves_no_file(
     assert [p for p in small_disk.rglob("*") if p.is_file()] == []  # no shard, no .tmp
 
 
+# The tiny model with a vocabulary padded to 8192: a full checkpoint is 14.3 MB, so a 20 MB
+# disk holds one and a 32 MB disk two.
+WIDE = ["--model.vocab_size", "8192"]
+
+
+def _kept(argv: list[str], k: int) -> list[str]:
+    argv = [*argv, *WIDE]
+    argv[argv.index("--checkpoint.keep_latest_k") + 1] = str(k)
+    return argv
+
+
+@pytest.mark.parametrize("ngpu", [1, 2], ids=["1-rank", "2-ranks"])
 def test_a_checkpoint_save_on_a_full_disk_is_one_line_and_removes_its_step(
-    disk: Any, tmp_path: Path, assets: Path
+    ngpu: int, disk: Disk, tmp_path: Path, assets: Path
 ) -> None:
-    """Room for one full checkpoint, keep_latest_k 2: the second save fails. It says so in one
-    line (exit 2), its partial step is gone, the first step is intact (keep_latest_k never frees
-    the newest complete one), and a rerun resumes from it."""
-    dump = disk("8m") / "run"
-    argv = _train_args(dump, 12)
-    argv[argv.index("--checkpoint.keep_latest_k") + 1] = "2"
-    line = _one_line(_titan("train", *argv, cwd=tmp_path))
-    assert (
-        line
-        == f"error: checkpoint: saving {dump}/checkpoint/step-8 failed: no space left on device"
-    )
+    """A 20 MB disk, room for one full checkpoint, keep_latest_k 2: the second save fails. It
+    says so in one line naming the full disk (exit 2, on every rank, no flight-recorder trace
+    written), its partial step is gone, the first step is intact (keep_latest_k never frees
+    the newest complete one), and a rerun resumes from it and meets the same full disk."""
+    dump = disk("20m") / "run"
+    argv = _kept(_train_args(dump, 12), 2)
+    if ngpu > 1:
+        argv = ["--ngpu", str(ngpu), *argv]
+    line = one_line(titan("train", *argv, cwd=tmp_path))
+    said = f"checkpoint: saving {dump}/checkpoint/step-8 failed: no space left on device"
+    if ngpu > 1:  # torchrun's report of the failed ranks becomes the job's one line
+        assert line.startswith(f"error: training: rejected its input: {said}"), line
+    else:
+        assert line == f"error: {said}"
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-4"]
+    assert sorted(p.name for p in dump.iterdir()) == ["checkpoint", "config.toml", "metrics.jsonl"]
     assert not list(dump.rglob("*.tmp*"))
-    again = _titan("train", *argv, cwd=tmp_path)
+    again = titan("train", *argv, cwd=tmp_path)
     assert again.returncode == 2 and "checkpoint/step-4 (step 4)" in again.stdout
 
 
 def test_retention_makes_room_when_the_disk_is_full(
-    disk: Any, trained: Path, tmp_path: Path
+    disk: Disk, tmp_path: Path, assets: Path
 ) -> None:
-    """Room for two full checkpoints, keep_latest_k 2: each save from the third on finds the
-    disk full, frees the step keep_latest_k would free after it (never the newest complete
-    one) and saves again; training ends with the newest two steps, losses unchanged."""
-    dump = disk("13m") / "run"
-    argv = _train_args(dump, 16)
-    argv[argv.index("--checkpoint.keep_latest_k") + 1] = "2"
-    proc = _titan("train", *argv, cwd=tmp_path)
+    """A 32 MB disk, room for two full checkpoints, keep_latest_k 2: each save from the third on
+    finds the disk full, frees the step keep_latest_k would free after it (never the newest
+    complete one) and saves again; training ends with the newest two steps, its losses those
+    of the same run on a roomy disk."""
+    argv = _kept(_train_args(tmp_path / "roomy", 16), 0)
+    assert titan("train", *argv, cwd=tmp_path).returncode == 0
+    dump = disk("32m") / "run"
+    proc = titan("train", *_kept(_train_args(dump, 16), 2), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Removed checkpoint step-4 early to make room" in proc.stdout
     assert "step-12 failed (no space left on device): freed older steps" in proc.stdout
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-12", "step-16"]
-    assert _losses(dump) == _losses(trained)
+    assert _losses(dump) == _losses(tmp_path / "roomy")
 
 
 PREPARE_MOMENTS = {"first-shard": 1, "half-the-shards": 8, "manifest": -1}

@@ -10,6 +10,7 @@ import contextlib
 import os
 import posixpath
 import uuid
+from collections.abc import Iterator
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -103,18 +104,47 @@ def check_writable(path: str, key: str) -> None:
     probe = os.path.join(folder, f".titan-write-check-{uuid.uuid4().hex[:8]}")
     try:
         os.makedirs(folder, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        try:
+            with open(probe, "w") as f:
+                f.write("ok")
+        finally:  # created, then the write failed (a full disk): the probe goes too
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(probe)
     except OSError as e:
         if e.filename == probe:  # the folder is there, writing in it failed: name the folder
             e.filename = folder
         raise ConfigError(f"{key}: {path}: {os_error_words(e, named=folder)}") from None
     finally:
         if created and os.path.isdir(missing):
-            with contextlib.suppress(OSError):
-                for root, _, _ in sorted(os.walk(missing), key=lambda w: -len(w[0])):
-                    os.rmdir(root)  # only empty folders: rmdir refuses anything else
+            _remove_empty_folders(missing)
+
+
+@contextlib.contextmanager
+def folders_kept_on_success(path: str) -> Iterator[None]:
+    """Around writes into the local folder ``path``: if the body fails (an exception, not an
+    interrupt), the folders of ``path`` that did not exist before and are still empty are
+    removed again."""
+    if is_url(path):
+        yield
+        return
+    folder = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
+    missing = folder
+    while not os.path.exists(os.path.dirname(missing)) and os.path.dirname(missing) != missing:
+        missing = os.path.dirname(missing)
+    created = not os.path.exists(folder)
+    try:
+        yield
+    except Exception:
+        if created and os.path.isdir(missing):
+            _remove_empty_folders(missing)
+        raise
+
+
+def _remove_empty_folders(top: str) -> None:
+    """``top`` and the folders below it, deepest first, as long as they are empty."""
+    with contextlib.suppress(OSError):
+        for root, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+            os.rmdir(root)  # only empty folders: rmdir refuses anything else
 
 
 def remove_tree(path: str) -> None:

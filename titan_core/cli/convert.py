@@ -116,6 +116,7 @@ def _dcp_to_hf(argv: list[str]) -> int:
 
     parsed = DCP_TO_HF.parse(argv)
     ns = parsed.options
+    storage.check_writable(ns.output, "--output")  # before a checkpoint is read
     values = _alias_values(DCP_TO_HF.alias_values(parsed))
     with storage_errors(ns.checkpoint):  # the config may be read from next to it, e.g. on S3
         cfg = apply_values(parse_args(_job_config_argv(ns.checkpoint, parsed.config)), values)
@@ -140,6 +141,7 @@ def _hf_to_dcp(argv: list[str]) -> int:
     from titan_core.convert.hf_to_dcp import hf_to_dcp
 
     ns = HF_TO_DCP.parse(argv).options
+    storage.check_writable(ns.output, "--output")
     hf_to_dcp(ns.hf, ns.output)
     print(f"hf-to-dcp: wrote model-only DCP checkpoint (step 0) to {ns.output}")
     return 0

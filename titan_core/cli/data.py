@@ -21,6 +21,7 @@ from typing import Annotated
 
 import tyro
 
+from titan_core import storage
 from titan_core.cli.command import Command, Parsed, default, dispatch, run
 from titan_core.errors import ConfigError
 
@@ -101,7 +102,9 @@ def _prepare(argv: list[str]) -> int:
     if "validation_every" in given:  # 0 (none held out) is a value
         options["validation_every"] = given["validation_every"]
     spec = spec_from_config(cfg, **options)
-    result = prepare(spec, workers=given.get("workers", cfg.data.workers))
+    storage.check_writable(spec.root, "--out" if ns.out else "data.root")
+    with storage.folders_kept_on_success(spec.root):  # a full disk leaves no empty folders
+        result = prepare(spec, workers=given.get("workers", cfg.data.workers))
     manifest = result.manifest
     total = sum(s.num_tokens for s in manifest.shards)
     if result.cached:
