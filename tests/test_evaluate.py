@@ -19,6 +19,7 @@ import pytest
 import tomli_w
 import torch
 from helpers import TINY
+from storage_faults import Disk, files_under, one_line, titan
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -175,6 +176,51 @@ def test_greedy_generation_is_argmax_by_hand(run_dir: Path, tokenizer: Tokenizer
     assert stopped.stop_reason == "eos" and len(stopped.new_tokens) == 6 - 2
     (short,) = generate_samples(counter, tokenizer, ["a"], **{**kwargs, "max_seq_len": 4})
     assert short.stop_reason == "max_seq_len" and len(short.new_tokens) == 4 - 2
+
+
+class _Padded(nn.Module):
+    """A model whose vocabulary is padded past the tokenizer's: the padded rows score highest,
+    then ``favourite``."""
+
+    def __init__(self, n_words: int, favourite: int) -> None:
+        super().__init__()
+        self.n_words, self.favourite = n_words, favourite
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*tokens.shape, self.n_words + 64)
+        logits[..., self.n_words :] = 10.0  # rows no text maps to
+        logits[..., self.favourite] = 5.0
+        return logits
+
+
+def test_a_padded_vocabulary_samples_only_ids_the_tokenizer_has(tokenizer: Tokenizer) -> None:
+    """A vocabulary padded to a round size (model.vocab_size) has rows no token maps to: a
+    sample never picks them (it was a KeyError in tiktoken's decode)."""
+    model = _Padded(tokenizer.n_words, favourite=42)
+    kwargs = {"max_new_tokens": 3, "max_seq_len": 64, "device": torch.device("cpu")}
+    (sample,) = generate_samples(model, tokenizer, ["a"], **kwargs)
+    assert sample.new_tokens == [42, 42, 42] and sample.completion == tokenizer.decode([42] * 3)
+
+
+def test_a_full_or_read_only_output_is_one_line_and_leaves_nothing(
+    run_dir: Path, tmp_path: Path, disk: Disk, read_only: tuple[Path, str]
+) -> None:
+    """Read-only: refused before the checkpoint is scored. A disk with room for the first report
+    file but not the second: one line naming the file, and neither report nor folder stays."""
+    step = str(run_dir / "checkpoint" / "step-4")
+    folder, words = read_only
+    line = one_line(
+        titan("eval", "--checkpoint", step, "--output", str(folder / "ev"), cwd=tmp_path)
+    )
+    assert line == f"error: --output: {folder / 'ev'}: {words}"
+    full = disk("64k", free=4096)  # one page: report.json fits, report.md does not
+    proc = titan("eval", "--checkpoint", step, "--output", str(full / "ev"), cwd=tmp_path)
+    assert one_line(proc) == f"error: {full}/ev/eval/report.md: no space left on device"
+    assert files_under(full) == []
+    empty = disk("64k", free=0)  # not even the write check's probe fits
+    proc = titan("eval", "--checkpoint", step, "--output", str(empty / "ev"), cwd=tmp_path)
+    assert one_line(proc) == f"error: --output: {empty / 'ev'}: no space left on device"
+    assert files_under(empty) == []
 
 
 def test_cli_writes_report_with_overrides(run_dir: Path, tmp_path: Path) -> None:

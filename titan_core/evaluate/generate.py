@@ -80,8 +80,9 @@ def greedy_generate(
             break
         with autocast_context(device, autocast_dtype):
             logits = model(tokens)[:, -1]  # (1, vocab)
-        # argmax takes the lowest id among ties, so the choice is deterministic.
-        next_id = logits.float().argmax(dim=-1)  # (1,)
+        # Among the ids the tokenizer has (a vocabulary padded past it has rows no text maps
+        # to); argmax takes the lowest id among ties, so the choice is deterministic.
+        next_id = logits[:, : tokenizer.n_words].float().argmax(dim=-1)  # (1,)
         if synced:
             dist.broadcast(next_id, src=0)
         token = int(next_id.item())
