@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 import torch
 from prepared_helpers import TOKENIZER, prepare_corpus, random_docs, write_docs
+from storage_faults import overwrite
 
 from titan_core.config.job import Dataloader
-from titan_core.data import shards
+from titan_core.data import shards, windows
 from titan_core.data.loader import build_dataloader
 from titan_core.data.reader import PreparedDataloader, build_prepared_dataloader
 from titan_core.data.sampling import Permutation, derive_key
@@ -355,7 +356,16 @@ def test_training_from_s3_reads_ranges(
     argv = [*TRAIN, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "3"]
     history = run(parse_args([*argv, "--dataloader.dataset", url, "--validation.no_enable"]))
     assert [int(h["step"]) for h in history] == [1, 2, 3]
-    assert _shard_bytes_fetched(requests) < size / 20, size
+    manifest = shards.read_manifest(url)  # the check at open reads a few KiB of each shard
+    probe = (
+        len(manifest.split_shards("train"))
+        * 2
+        * (
+            windows.PROBE_TOKENS * np.dtype(manifest.dtype).itemsize
+            + windows.PROBE_DOCS * shards.DOC_DTYPE.itemsize
+        )
+    )
+    assert _shard_bytes_fetched(requests) < size / 20 + probe, size
     assert not [t for t in threading.enumerate() if t.name == "titan-data-prefetch"]
     # Credentials are enforced: a wrong secret is one line before anything trains.
     from titan_core.build import check_job
@@ -405,25 +415,66 @@ def test_bad_data_fails_with_one_line_naming_the_file(tmp_path: Path) -> None:
 
 
 def test_damaged_shards_of_the_right_size_are_one_line_naming_them(tmp_path: Path) -> None:
-    """Only a checksum notices a shard rewritten at its size: ids beyond the vocabulary or
-    document offsets that do not increase are refused when read, naming the file (they were an
-    IndexError in the embedding and silently wrong document masks)."""
+    """Only a checksum notices a shard rewritten at its size. A shard rewritten whole (ids
+    beyond the vocabulary at its ends) or with offsets that do not increase is refused when the
+    split is opened, before anything trains on it; a bad id between the ends when it is read.
+    Each names the file (they were an IndexError in the embedding and silently wrong masks)."""
     url = str(tmp_path / "ds")
-    manifest = write_docs(url, random_docs(3, 2, 6))
-    tokens, docs = shards.shard_urls(url, manifest.shards[0])
+    manifest = write_docs(url, random_docs(3, 2, 40))  # ~6k tokens a shard: a middle to harm
+    shard = manifest.shards[1]
+    tokens, docs = shards.shard_urls(url, shard)
+    assert shard.num_tokens > 2 * windows.PROBE_TOKENS + 64
     original = Path(tokens).read_bytes()
-    Path(tokens).write_bytes(b"\xff" * len(original))  # id 65535 >= the 50,000 of the vocab
+    overwrite(Path(tokens))  # every id 65535, beyond the 50,000 of the vocab
     with pytest.raises(DataError) as info:
-        _take(_loader(url, shuffle=False), 2)
+        _loader(url, shuffle=False)  # opening it is enough
     message = str(info.value)
-    assert message.startswith(f"{tokens}: token ") and "beyond the tokenizer's 50000 ids" in message
+    assert message.startswith(f"{tokens}: token 0 is id 65535, beyond the tokenizer's 50000 ids")
+    middle = windows.PROBE_TOKENS + 32  # one id, where the check at open does not look
+    ids = np.frombuffer(original, dtype=manifest.dtype).copy()
+    ids[middle] = 50_000
+    Path(tokens).write_bytes(ids.tobytes())
+    loader = _loader(url, shuffle=False)
+    with pytest.raises(DataError) as info:
+        _take(loader, 200)  # in order: the first shard, then the second's middle
+    assert str(info.value).startswith(f"{tokens}: token {middle} is id 50000, beyond the")
     Path(tokens).write_bytes(original)
     ends = np.fromfile(docs, dtype=shards.DOC_DTYPE)
     ends[1:3] = ends[2:0:-1]  # two offsets swapped: no longer increasing
     ends.tofile(docs)
-    with pytest.raises(DataError, match=f"^{re.escape(docs)}: document offsets are not"):
-        _take(_loader(url, shuffle=False, document_masking=True), 2)
-    _take(_loader(url, shuffle=False), 2)  # without masking the offsets are not read
+    for masking in (True, False):  # damaged either way, whether masks read them or not
+        with pytest.raises(DataError, match=f"^{re.escape(docs)}: document offsets are not"):
+            _loader(url, shuffle=False, document_masking=masking)
+
+
+def test_remote_shards_are_checked_at_their_ends_when_opened(
+    tmp_path: Path, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an object store the check at open reads a few KiB at each end of every shard (one
+    ranged request each), and refuses a shard rewritten whole or a last offset that is not
+    the shard's size."""
+    s3_server.set_env(monkeypatch)
+    url = s3_server.url(tmp_path.name, "ds")
+    manifest = write_docs(url, random_docs(4, 3, 40), fingerprint="remote")
+    fs, _ = fsspec.core.url_to_fs(url)
+    requests = _watch_s3(fs, s3_server.bucket)
+    _loader(url, shuffle=False)
+    shard_gets = [r for op, u, r in requests if "/shards/" in u and op == "GetObject"]
+    # Of each of the three shards: its token ids at both ends, its 40 offsets in one read.
+    assert len(shard_gets) == 3 * (2 + 1)
+    assert _shard_bytes_fetched(requests) <= 3 * 2 * (
+        windows.PROBE_TOKENS * np.dtype(manifest.dtype).itemsize
+        + windows.PROBE_DOCS * shards.DOC_DTYPE.itemsize
+    )
+    tokens, docs = (u.removeprefix("s3://") for u in shards.shard_urls(url, manifest.shards[2]))
+    ends = np.frombuffer(fs.cat(docs), dtype=shards.DOC_DTYPE).copy()
+    ends[-1] -= 1  # the last document no longer ends at the shard's end
+    fs.pipe(docs, ends.tobytes())
+    with pytest.raises(DataError, match="document offsets are not increasing ends"):
+        _loader(url, shuffle=False)
+    fs.pipe(tokens, b"\xff" * fs.size(tokens))
+    with pytest.raises(DataError, match="beyond the tokenizer's 50000 ids"):
+        _loader(url, shuffle=False)
 
 
 def test_dispatch_keeps_raw_text_on_the_raw_path(
@@ -506,7 +557,7 @@ def test_bad_prepared_data_stops_before_anything_is_written(
     """A damaged shard: `titan_core.train` and `titan train --ngpu 2` (before torchrun starts)
     print one line naming the file, exit 2, and write nothing."""
     import titan_core.cli as cli
-    from titan_core.cli import train as engine_cli
+    from titan_core.launch.local import LocalLauncher
 
     broken = tmp_path / "broken"
     write_docs(str(broken), random_docs(3, 2, 20), tokenizer=_tokenizer_info())
@@ -517,7 +568,8 @@ def test_bad_prepared_data_stops_before_anything_is_written(
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and str(shard) in errors[0], proc.stderr[-3000:]
-    monkeypatch.setattr(engine_cli.os, "execve", lambda *_: pytest.fail("torchrun was launched"))
+    no_launch = lambda *_, **__: pytest.fail("torchrun was launched")  # noqa: E731
+    monkeypatch.setattr(LocalLauncher, "run", no_launch)
     argv = ["train", *TRAIN, "--ngpu", "2", "--job.dump_folder", str(dump)]
     assert cli.main([*argv, "--dataloader.mix", f"{corpus_pair[0]}=1", f"{broken}=1"]) == 2
     err = capsys.readouterr().err.strip()
@@ -606,6 +658,7 @@ def test_remote_doc_ids_read_offsets_by_range(tmp_path: Path) -> None:
     samples = np.concatenate([rng.integers(0, near.num_samples(), 200), edges])
     assert (far.doc_ids(samples) == near.doc_ids(samples)).all()
     fresh = open_split(remote, "train", **kwargs)  # one lookup, nothing cached yet
+    opened = fresh.read_stats()["bytes_read"]  # the check at open: a few KiB at the ends
     fresh.doc_ids(np.array([near.num_samples() // 6]))  # inside shard 0
     offsets_bytes = fresh.shards[0].num_docs * 8
-    assert fresh.read_stats()["bytes_read"] < offsets_bytes / 2, fresh.read_stats()
+    assert fresh.read_stats()["bytes_read"] - opened < offsets_bytes / 2, fresh.read_stats()

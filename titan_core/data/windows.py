@@ -6,7 +6,9 @@ binary search over the cumulative shard sizes and may span shards. Local shards 
 mapped; remote shards (s3://, gs://, memory://...) are read by ranged requests of aligned blocks
 kept in a bounded LRU cache, all missing blocks of a batch fetched by one concurrent
 ``cat_ranges`` call: nothing is ever downloaded whole. ``open_split`` checks a split before
-anything reads it (``check_prepared``: manifest, tokenizer, shard files, enough tokens).
+anything reads it (``check_prepared``: manifest, tokenizer, shard files, enough tokens; then
+``check_contents``: token ids and document offsets at each shard's ends), and every window is
+checked again as it is read.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from titan_core.data import shards
 from titan_core.errors import DataError
 
 _MAX_OPEN_MAPS = 256  # memory maps hold a file descriptor each: bound them
+# What ``SplitReader.check_contents`` reads of each shard when a split is opened: 1024 token ids
+# at each end (2-4 KiB), and of a remote shard's offsets 512 at each end (4 KiB): a shard
+# rewritten whole (a bad copy, another file) shows there.
+PROBE_TOKENS = 1 << 10
+PROBE_DOCS = 1 << 9
 
 
 def is_local(fs: Any) -> bool:
@@ -78,6 +85,10 @@ class LocalFiles:
             self.unmap()
         return out
 
+    def probe(self, requests: list[tuple[str, np.dtype, int, int]]) -> list[np.ndarray]:
+        """``read`` for checks: the same ranges, not counted as reading."""
+        return [np.array(self.array(p, dt)[lo:hi]) for p, dt, lo, hi in requests]
+
     def unmap(self) -> None:
         """Drop this process's mappings of the pages read so far (the page cache keeps them)."""
         if hasattr(mmap, "MADV_DONTNEED"):
@@ -128,6 +139,19 @@ class RemoteFiles:
         self.requests += len(paths)
         self.bytes_read += sum(len(b) for b in blobs)
         return blobs
+
+    def probe(self, requests: list[tuple[str, np.dtype, int, int]]) -> list[np.ndarray]:
+        """``[path, dtype, first, end)`` element ranges for checks: each one ranged request
+        of just its bytes (all concurrent), neither cached nor aligned to blocks."""
+        requests = [(p, dt, lo, hi) for p, dt, lo, hi in requests if hi > lo]
+        blobs = self._cat(
+            [p for p, _, _, _ in requests],
+            [lo * dt.itemsize for _, dt, lo, _ in requests],
+            [hi * dt.itemsize for _, dt, _, hi in requests],
+        )
+        return [
+            np.frombuffer(b, dtype=dt) for (_, dt, _, _), b in zip(requests, blobs, strict=True)
+        ]
 
     def _put(self, key: tuple[str, int], value: bytes | np.ndarray) -> None:
         self._blocks[key] = value
@@ -200,6 +224,44 @@ class SplitReader:
                 fs, block_size(window_bytes, cache_mb << 20, sequential), cache_mb << 20, sizes
             )
 
+    def check_contents(self) -> None:
+        """The cheap checks when the split is opened, before anything trains on it: each
+        shard's first and last ``PROBE_TOKENS`` token ids against the vocabulary, and its
+        document offsets increasing within its tokens, the last one its size (local: every
+        offset; object stores: the first and last ``PROBE_DOCS``). What lies between is checked
+        as it is read (``windows``, ``doc_ids``). A damaged shard is one ``DataError`` line
+        naming it."""
+        tokens: list[tuple[int, tuple[str, np.dtype, int, int]]] = []
+        docs: list[tuple[int, tuple[str, np.dtype, int, int]]] = []
+        for i, shard in enumerate(self.shards):
+            tok_path, doc_path = self._paths[i]
+            n, d = shard.num_tokens, shard.num_docs
+            for lo, hi in _head_and_tail(n, PROBE_TOKENS):
+                tokens.append((i, (tok_path, self.dtype, lo, hi)))
+            if isinstance(self.files, LocalFiles):
+                self._check_ends(i, self.files.array(doc_path, shards.DOC_DTYPE)[:d])
+                continue
+            for lo, hi in _head_and_tail(d, PROBE_DOCS):
+                docs.append((i, (doc_path, shards.DOC_DTYPE, lo, hi)))
+        for (i, (_, _, lo, _)), part in zip(
+            tokens, self.files.probe([r for _, r in tokens]), strict=True
+        ):
+            self._check_ids(i, lo, part)
+        for (i, (_, _, _, hi)), ends in zip(
+            docs, self.files.probe([r for _, r in docs]), strict=True
+        ):
+            self._check_ends(i, ends, last=hi == self.shards[i].num_docs)
+
+    def _check_ids(self, shard: int, lo: int, part: np.ndarray) -> None:
+        """Token ids ``part`` (from shard-local token ``lo`` on) within the vocabulary."""
+        if self.vocab_size and len(part) and int(part.max()) >= self.vocab_size:
+            at = lo + int(np.argmax(part >= self.vocab_size))
+            raise DataError(
+                f"{self._urls[shard][0]}: token {at} is id {int(part.max())}, beyond the "
+                f"tokenizer's {self.vocab_size} ids: the shard is damaged; prepare the data "
+                "again (dataloader.verify=checksum finds such shards before training)"
+            )
+
     def num_samples(self, num_shards: int | None = None) -> int:
         """Samples in the first ``num_shards`` shards (default: all): (tokens - 1) // seq_len."""
         n = len(self.shards) if num_shards is None else num_shards
@@ -214,13 +276,7 @@ class SplitReader:
         out = np.empty((len(samples), self.seq_len + 1), dtype=np.int64)
         fill = np.zeros(len(samples), dtype=np.int64)
         for (row, shard, lo, _), part in zip(pieces, parts, strict=True):
-            if self.vocab_size and len(part) and int(part.max()) >= self.vocab_size:
-                at = lo + int(np.argmax(part >= self.vocab_size))
-                raise DataError(
-                    f"{self._urls[shard][0]}: token {at} is id {int(part.max())}, beyond the "
-                    f"tokenizer's {self.vocab_size} ids: the shard is damaged; prepare the data "
-                    "again (dataloader.verify=checksum finds such shards before training)"
-                )
+            self._check_ids(shard, lo, part)
             out[row, fill[row] : fill[row] + len(part)] = part
             fill[row] += len(part)
         if not (fill == self.seq_len + 1).all():
@@ -271,9 +327,10 @@ class SplitReader:
         self._check_ends(shard, ends)
         return ends[np.searchsorted(ends, lo, side="right") : np.searchsorted(ends, hi, "right")]
 
-    def _check_ends(self, shard: int, ends: np.ndarray) -> None:
+    def _check_ends(self, shard: int, ends: np.ndarray, last: bool = False) -> None:
         """Document ends strictly increase within the shard's tokens (a whole local array is
-        checked once, and ends at the shard's size; a remote slice each time it is read)."""
+        checked once, and ends at the shard's size, as does a ``last`` slice; a remote slice
+        each time it is read)."""
         tokens = self.shards[shard].num_tokens
         whole = len(ends) == self.shards[shard].num_docs
         if whole and shard in self._checked_ends:
@@ -281,7 +338,7 @@ class SplitReader:
         bad = len(ends) and (
             bool((np.diff(ends) <= 0).any()) or int(ends[0]) <= 0 or int(ends[-1]) > tokens
         )
-        if bad or (whole and len(ends) and int(ends[-1]) != tokens):
+        if bad or ((whole or last) and len(ends) and int(ends[-1]) != tokens):
             raise DataError(
                 f"{self._urls[shard][1]}: document offsets are not increasing ends within the "
                 f"shard's {tokens} tokens: the shard is damaged; prepare the data again"
@@ -368,9 +425,18 @@ def open_split(
 ) -> SplitReader:
     """Check (``check_prepared``) and open one split of the prepared dataset at ``url``."""
     manifest = check_prepared(url, split, fingerprint=fingerprint, seq_len=seq_len, verify=verify)
-    return SplitReader(
+    reader = SplitReader(
         url, manifest, split, seq_len=seq_len, cache_mb=cache_mb, sequential=sequential
     )
+    reader.check_contents()
+    return reader
+
+
+def _head_and_tail(n: int, probe: int) -> list[tuple[int, int]]:
+    """The element ranges of the first and last ``probe`` of ``n`` (one range when they meet)."""
+    if n <= 2 * probe:
+        return [(0, n)] if n else []
+    return [(0, probe), (n - probe, n)]
 
 
 def _nbytes(value: bytes | np.ndarray) -> int:
