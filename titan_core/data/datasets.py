@@ -21,6 +21,7 @@ import fsspec
 from titan_core.config.job import Dataloader
 from titan_core.data.assets import bundled_corpus_dir
 from titan_core.data.sources import raw_rows as _raw_rows
+from titan_core.data.sources import short_repr
 from titan_core.data.sources import strip_compression as _strip_compression
 from titan_core.errors import DataError
 
@@ -112,8 +113,9 @@ class DocumentSource(ABC):
     def __iter__(self) -> DocumentStream:
         return self.iter_from(0)
 
-    def _text(self, row: Any, stats: dict[str, int]) -> str | None:
-        """The text of one parsed row (None: skipped and counted). The first row with fields
+    def _text(self, row: Any, stats: dict[str, int], where: str = "") -> str | None:
+        """The text of one parsed row (None: skipped and counted); ``where`` names the row in
+        errors (default: the source's label). The first row with fields
         must have the text field: a DataError names it and the fields found, instead of a wrong
         ``dataloader.text_field`` skipping every row as empty. Later rows without it are
         skipped like empty ones."""
@@ -125,7 +127,7 @@ class DocumentSource(ABC):
                     "set dataloader.text_field"
                 )
             self._fields_checked = True
-        return _row_text(row, self.text_field, stats)
+        return _row_text(row, self.text_field, stats, where or f"{self.label}: a row")
 
     def check_nonempty(self) -> None:
         """Raise DataError unless this rank's stream yields at least one document."""
@@ -134,12 +136,20 @@ class DocumentSource(ABC):
             raise DataError(f"{self.label}: no documents (skipped rows: {scratch})")
 
 
-def _row_text(row: Any, text_field: str, stats: dict[str, int]) -> str | None:
+def _row_text(row: Any, text_field: str, stats: dict[str, int], where: str) -> str | None:
+    """A row's text; None (counted as empty) for a null, missing or blank one. A number, list
+    or object there is one DataError line (the wrong field, or a broken export), as when the
+    data is prepared (``sources.py``)."""
     text = row.get(text_field) if isinstance(row, dict) else None
     if isinstance(text, str) and text.strip():
         return text
-    stats["skipped_empty"] += 1
-    return None
+    if text is None or isinstance(text, str):
+        stats["skipped_empty"] += 1
+        return None
+    raise DataError(
+        f"{where}: field {text_field!r} holds {type(text).__name__} {short_repr(text)}, "
+        "expected a string"
+    )
 
 
 class LocalDocumentSource(DocumentSource):
@@ -161,23 +171,23 @@ class LocalDocumentSource(DocumentSource):
     def _rows(self, start: int, stats: dict[str, int]) -> Iterator[str | None]:
         global_index = mine = 0
         for file in self.files:
-            for kind, raw in _raw_rows(file):
+            for number, (kind, raw) in enumerate(_raw_rows(file), 1):
                 if global_index % self.dp_world_size == self.dp_rank:
                     if mine >= start:  # rows before start are counted, never parsed
-                        yield self._parse(kind, raw, stats)
+                        yield self._parse(kind, raw, stats, f"{file}: row {number}")
                     mine += 1
                 global_index += 1
 
-    def _parse(self, kind: str, raw: Any, stats: dict[str, int]) -> str | None:
+    def _parse(self, kind: str, raw: Any, stats: dict[str, int], where: str) -> str | None:
         if kind == "row":
-            return self._text(raw, stats)
+            return self._text(raw, stats, where)
         try:
             text = raw.decode("utf-8")
             row = text if kind == "txt" else json.loads(text)
         except ValueError:  # UnicodeDecodeError and JSONDecodeError both are ValueErrors
             stats["skipped_undecodable"] += 1
             return None
-        return row if kind == "txt" else self._text(row, stats)
+        return row if kind == "txt" else self._text(row, stats, where)
 
 
 class HFDocumentSource(DocumentSource):

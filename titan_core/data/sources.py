@@ -237,11 +237,12 @@ def _row_documents(
         else:  # a number, a list, an object: the wrong field, or a broken export
             raise DataError(
                 f"{where}: row {number}: field {text_field!r} holds {type(text).__name__} "
-                f"{_short(text)}, expected a string"
+                f"{short_repr(text)}, expected a string"
             )
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
+    """``repr(value)``, cut to 40 characters."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
