@@ -25,6 +25,10 @@ ADDED_KEYS = {  # issue 22: the step guard ([health]) and fault drills
     "debug.inject",
     "debug.drill",
     "dataloader.exclude",  # issue 22: what a rollback skips, to reproduce it
+    # issue 25: fault-tolerant replica groups (torchft)
+    *(f"fault_tolerance.{name}" for name in ("enable", "group_id", "lighthouse", "min_replicas")),
+    *(f"fault_tolerance.{name}" for name in ("timeout_seconds", "quorum_timeout_seconds")),
+    *(f"fault_tolerance.{name}" for name in ("heartbeat_timeout_ms", "join_timeout_ms")),
 }
 
 # The tiny debug Llama: seconds of CPU per step on gloo.

@@ -152,11 +152,16 @@ def check_prepared_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int = 1
     t, d = cfg.training, cfg.dataloader
     mix = [url for url, _ in parse_mix(d.mix)]
     train = mix or [loc for loc in [d.location] if shards.is_prepared(loc)]
-    for key, on in (("document_masking", d.document_masking), ("exclude", bool(d.exclude))):
+    needs = (
+        ("dataloader.document_masking", d.document_masking),
+        ("dataloader.exclude", bool(d.exclude)),
+        # Replica groups read one global order, whose position every group holds the same.
+        ("fault_tolerance.enable", cfg.fault_tolerance.enable),
+    )
+    for key, on in needs:
         if on and not train:
             raise ConfigError(
-                f"dataloader.{key}: needs a prepared dataset (titan data prepare), got "
-                f"{d.location!r}"
+                f"{key}: needs a prepared dataset (titan data prepare), got {d.location!r}"
             )
     todo = [(url, "train") for url in train]
     if cfg.validation.enable:

@@ -638,6 +638,48 @@ class Health:
 
 
 @dataclass(kw_only=True)
+class FaultTolerance:
+    """Replica groups that outlive each other's failures (torchft; docs/fault-tolerance.md)."""
+
+    enable: bool = False
+    """Train parallelism.data_parallel_replicate_degree replica groups, each its own torchrun
+    job, averaged across groups through a torchft quorum: a group that dies does not stop the
+    others, and when it is restarted it heals from a live one, not from storage."""
+    group_id: int = -1
+    """This replica group's id, 0 .. groups - 1 (titan launch sets it for each group)."""
+    lighthouse: str = ""
+    """The torchft lighthouse's address (http://host:port); empty: titan launch starts one on
+    this host for the job."""
+    min_replicas: int = 1
+    """Replica groups that must be live for a step to commit (and for the first quorum)."""
+    timeout_seconds: float = 30.0
+    """Limit of one collective or request across groups: a hung group is given up after it."""
+    quorum_timeout_seconds: float = 120.0
+    """Limit of one quorum (a group restarting and healing holds the others this long at most)."""
+    heartbeat_timeout_ms: int = 2000
+    """Lighthouse: a group silent this long is dead, and the next quorum goes on without it."""
+    join_timeout_ms: int = 1000
+    """Lighthouse: how long a quorum waits for groups that are alive but have not asked yet."""
+
+    def __post_init__(self) -> None:
+        _require(self.min_replicas >= 1, "fault_tolerance.min_replicas", "an int >= 1",
+                 self.min_replicas)  # fmt: skip
+        _require(self.group_id >= -1, "fault_tolerance.group_id", "-1 (unset) or an int >= 0",
+                 self.group_id)  # fmt: skip
+        for key in ("timeout_seconds", "quorum_timeout_seconds"):
+            value = getattr(self, key)
+            _require(value > 0 and math.isfinite(value), f"fault_tolerance.{key}",
+                     "a finite number of seconds > 0", value)  # fmt: skip
+        for key in ("heartbeat_timeout_ms", "join_timeout_ms"):
+            _require(getattr(self, key) > 0, f"fault_tolerance.{key}", "milliseconds > 0",
+                     getattr(self, key))  # fmt: skip
+        if self.lighthouse:
+            _require(self.lighthouse.startswith(("http://", "https://")) and
+                     ":" in self.lighthouse.split("://", 1)[1], "fault_tolerance.lighthouse",
+                     "an address http://host:port", self.lighthouse)  # fmt: skip
+
+
+@dataclass(kw_only=True)
 class Validation:
     """Periodic held-out loss."""
 
@@ -970,6 +1012,8 @@ class JobConfig:
     """Metrics logging."""
     health: Health = field(default_factory=Health)
     """The step guard: NaN, inf and spikes."""
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    """Replica groups that outlive each other's failures (torchft)."""
     validation: Validation = field(default_factory=Validation)
     """Validation loss."""
     evaluate: Evaluate = field(default_factory=Evaluate)
@@ -987,6 +1031,16 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         # Checks across sections; every section has checked its own fields already.
+        ft, groups = self.fault_tolerance, self.parallelism.data_parallel_replicate_degree
+        if ft.enable:
+            _require(groups >= 2, "fault_tolerance.enable",
+                     "parallelism.data_parallel_replicate_degree >= 2 (the replica groups)",
+                     groups)  # fmt: skip
+            _require(ft.min_replicas <= groups, "fault_tolerance.min_replicas",
+                     f"at most the {groups} replica groups "
+                     "(parallelism.data_parallel_replicate_degree)", ft.min_replicas)  # fmt: skip
+            _require(ft.group_id < groups, "fault_tolerance.group_id",
+                     f"-1 or a group 0..{groups - 1}", ft.group_id)  # fmt: skip
         _require(
             self.dataloader.document_masking or not self.training.document_positions,
             "training.document_positions",
