@@ -41,7 +41,13 @@ def _note_restart(cfg: JobConfig) -> None:
     if not restart:
         return
     most = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
-    if cfg.checkpoint.enable:
+    if cfg.fault_tolerance.enable:
+        logger.warning(
+            "torchrun restart %d of %s: replica group %d heals from a live group (if none is, "
+            "it resumes from the newest complete checkpoint)",
+            restart, most, cfg.fault_tolerance.group_id,
+        )  # fmt: skip
+    elif cfg.checkpoint.enable:
         logger.warning(
             "torchrun restart %d of %s: resuming from the newest complete checkpoint", restart, most
         )

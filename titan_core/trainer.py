@@ -51,7 +51,7 @@ from titan_core.config.dtypes import autocast_dtype, compute_dtype
 from titan_core.config.job import Dataloader, JobConfig, parse_injections
 from titan_core.config.schema import to_toml
 from titan_core.data import PreparedDataloader, build_dataloader
-from titan_core.distributed import flight_recorder
+from titan_core.distributed import fault_tolerance, flight_recorder
 from titan_core.distributed import utils as dist_utils
 from titan_core.distributed.context_parallel import context_parallel_context, model_cp_buffers
 from titan_core.distributed.pipeline_parallel import ModelPartsView
@@ -65,8 +65,13 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, extra_sinks: list[MetricsSink] | None = None) -> None:
         init_logger()
-        self.cfg = cfg
+        # Fault tolerance: this process is one rank of one replica group, which runs the job
+        # as a single replica would (the replicate dimension is torchft's, across groups).
+        self.job_cfg, ft = cfg, cfg.fault_tolerance
+        self.cfg = cfg = fault_tolerance.group_config(cfg)
         self.side_folder = local_side_folder(cfg.job.dump_folder)
+        if ft.enable and ft.group_id > 0:  # group 0 writes where a job would; the others beside
+            self.side_folder = os.path.join(self.side_folder, f"group-{ft.group_id}")
         if cfg.debug.num_threads:
             torch.set_num_threads(cfg.debug.num_threads)
         # Everything that validates input comes first: nothing is written before it passes.
@@ -84,7 +89,12 @@ class Trainer:
             flight_recorder.set_group_timeouts(cfg.comm.init_timeout_seconds)
         dp_rank = self.parallel_dims.dp_rank(self.dist.rank)
         self._finite_loaders: dict[tuple, PreparedDataloader] = {}  # validation, built once
-        self.dataloader = self._build_loader(cfg.dataloader, dp_rank, infinite=True)
+        # Replica groups read one global order: group g the data-parallel ranks g * dp + d.
+        groups = self.job_cfg.parallelism.data_parallel_replicate_degree if ft.enable else 1
+        dp = self.parallel_dims.dp_degree
+        self.dataloader = self._build_loader(
+            cfg.dataloader, max(ft.group_id, 0) * dp + dp_rank, True, dp_world=groups * dp
+        )
         self.validator = self._build_validator(dp_rank)
 
         pp_rank = self.parallel_dims.mesh["pp"].get_local_rank() if self.parallel_dims.pp > 1 else 0
@@ -132,19 +142,27 @@ class Trainer:
             and cfg.comm.mode == "default"
             else None
         )
+        states = {
+            "model": ModelState(self.model),
+            "optimizer": OptimizerState(self.model, self.optimizer),
+            "lr_scheduler": LRSchedulerState(self.lr_scheduler),
+            "dataloader": self.dataloader,
+            "train_state": self.train_state,
+        }
         self.checkpointer = CheckpointManager(
             cfg.checkpoint,
             cfg.job.dump_folder,
-            {
-                "model": ModelState(self.model),
-                "optimizer": OptimizerState(self.model, self.optimizer),
-                "lr_scheduler": LRSchedulerState(self.lr_scheduler),
-                "dataloader": self.dataloader,
-                "train_state": self.train_state,
-            },
+            states,
             rank=self.dist.rank,
             world_size=self.dist.world_size,
         )
+        self.ft = (
+            fault_tolerance.ReplicaGroup(ft, groups, self.device, states, self._healed)
+            if ft.enable
+            else None
+        )
+        self._committed = True  # the last step's update was applied (always, without ft)
+        self._reopen_data = False  # a heal moved the data position: read on from there
         self.checkpointer.model_description = describe_model(cfg.model.name, self.model_args)
         if cfg.checkpoint.initial_load_in_hf:
             from titan_core.checkpoint.hf_weights import load_hf_into_model
@@ -156,7 +174,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ building
     def _build_loader(
-        self, data: Dataloader, dp_rank: int, infinite: bool, batch_size: int | None = None
+        self,
+        data: Dataloader,
+        dp_rank: int,
+        infinite: bool,
+        batch_size: int | None = None,
+        dp_world: int | None = None,
     ) -> Any:
         t = self.cfg.training
         key = (data.dataset, data.path, data.split, batch_size)
@@ -168,7 +191,7 @@ class Trainer:
             local_batch_size=batch_size or t.local_batch_size,
             seq_len=t.seq_len,
             dp_rank=dp_rank,
-            dp_world_size=self.parallel_dims.dp_degree,
+            dp_world_size=dp_world or self.parallel_dims.dp_degree,
             infinite=infinite,
         )
         if not infinite and isinstance(loader, PreparedDataloader):  # checked and opened once
@@ -318,7 +341,8 @@ class Trainer:
             if cfg.metrics.enable_tensorboard:
                 sinks.append(TensorBoardSink(os.path.join(side, cfg.metrics.save_tb_folder)))
             sinks.extend(self.extra_sinks)
-            if (mlflow := mlflow_sink_from_env()) is not None:  # set by the pipeline's train task
+            mlflow = mlflow_sink_from_env() if self._first_group else None  # one group tracks
+            if mlflow is not None:  # set by the pipeline's train task
                 sinks.append(mlflow)
         dtype = compute_dtype(cfg.training, self.parallel_dims.fsdp_enabled)
         peak = device_peak_tflops(self.device, cfg.metrics, dtype)
@@ -341,8 +365,9 @@ class Trainer:
     def _write_config(self) -> None:
         """Save the config as this run ran it (``resolved_config``): what the pipeline's
         preflight stored and logged, so a run's config.toml and its MLflow params agree."""
-        text = to_toml(resolved_config(self.cfg, self.parallel_dims, self.model_args))
-        if self.dist.is_rank0 and self.cfg.job.save_config:
+        # The job's config (under fault tolerance: all replica groups, not this one's view).
+        text = to_toml(resolved_config(self.job_cfg, self.parallel_dims, self.model_args))
+        if self.dist.is_rank0 and self.cfg.job.save_config and self._first_group:
             storage.write_text_atomic(storage.join(self.cfg.job.dump_folder, "config.toml"), text)
         if self.cfg.job.print_config:
             logger.info("Resolved config:\n%s", text)
@@ -424,6 +449,8 @@ class Trainer:
         if due := [i for i in self.injections if i[1] == step]:  # a drill fires once
             loss_sum = inject_faults(due, step, loss_sum, self._params)
             self.injections = [i for i in self.injections if i[1] != step]
+        if self.ft is not None:  # the step's gradients and loss, averaged over the groups
+            loss_sum = self._average_over_groups(loss_sum)
         grad_norm = dist_utils.clip_grad_norm_(
             self._params, self.cfg.training.max_norm, self._pp_group()
         )
@@ -435,6 +462,11 @@ class Trainer:
             else:
                 apply = not bool(found_inf.item())  # foreach / for-loop: no device-side skip
         self.checkpointer.wait_for_staging()  # a background save may still be copying weights
+        if self.ft is not None:  # every live group got through the step, or none applies it
+            self._committed = self.ft.commit()
+            apply = apply and self._committed
+            if not self._committed:
+                return loss_sum, grad_norm
         if apply:
             factor = self._lr_factor(step)
             scheduled = [g["lr"] for g in self.optimizer.param_groups]
@@ -445,6 +477,35 @@ class Trainer:
                 g["lr"] = lr
         self.lr_scheduler.step()
         return loss_sum, grad_norm
+
+    def _average_over_groups(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Average this rank's gradient shards and loss with the same rank of every live
+        replica group (the layouts are the same in every group); the averaged loss."""
+        assert self.ft is not None
+        grads = []
+        for p in self._params:
+            if p.grad is None:  # unused this step here, maybe not in another group
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        loss = loss_sum.detach().reshape(1).to(torch.float32).clone()
+        self.ft.average([*grads, loss])
+        return loss.reshape(())
+
+    def _record_replica_events(self) -> None:
+        """The replica groups' events since the last call, into the health log."""
+        assert self.ft is not None
+        if self.ft.events and self.guard is not None:
+            self.guard.record_replica_groups(self.train_state.step + 1, self.ft.events)
+        self.ft.events = []
+
+    def _healed(self) -> None:
+        """A peer's state was loaded: the data is read on from its position."""
+        self._reopen_data = True
+
+    @property
+    def _first_group(self) -> bool:
+        """Group 0 of a fault-tolerant job (or any job without): it writes the job's files."""
+        return self.job_cfg.fault_tolerance.group_id <= 0
 
     def _accumulate(self, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """Zeroed gradients, then forward and backward of every micro-batch; the summed loss."""
@@ -527,7 +588,15 @@ class Trainer:
     def train(self) -> list[dict[str, float]]:
         """Run until ``training.steps``; returns the logged metrics of each logged step."""
         cfg = self.cfg
-        start_step = self._restore()
+        quorum = False  # the next step's quorum is already formed
+        if self.ft is not None:
+            self.ft.wait_for_groups(self.job_cfg.fault_tolerance.quorum_timeout_seconds)
+        if self.ft is not None and self.ft.start_step():
+            # Behind a live replica group: healed from it (weights, optimizer, schedule, data
+            # position, step), nothing read from storage.
+            start_step, quorum = self.train_state.step, True
+        else:  # no group ahead (a fresh job, or every group restarted): from storage
+            start_step, quorum = self._restore(), self.ft is not None
         if start_step >= cfg.training.steps:
             logger.info(
                 "Checkpoint is at step %d >= training.steps=%d: nothing to train",
@@ -564,7 +633,20 @@ class Trainer:
                 cfg.profiling, self.side_folder, self.dist.rank, start_step
             ) as profiler:
                 while self.train_state.step < t.steps:
+                    if self.ft is not None:
+                        if not quorum:
+                            self.ft.start_step()
+                        quorum = False
+                        self._record_replica_events()
+                        if self._reopen_data:  # healed: on from the live group's position
+                            data_iter = self._reopened(data_iter)
+                        if self.train_state.step >= t.steps:
+                            break
                     step = self.train_state.step = self.train_state.step + 1
+                    who = self.dist.rank if self.ft is None else self.ft.group_id
+                    fault_tolerance.maybe_kill(step, who)  # drills only
+                    if self.ft is not None:
+                        self.ft.maybe_slow()
                     if step % t.gc_freq == 0:
                         gc.collect(1)
                     batches = self._next_batches(data_iter)
@@ -579,6 +661,10 @@ class Trainer:
                         raise
                     if self.stragglers is not None:
                         self.stragglers.train_end()
+                    if not self._committed:  # a replica group failed in it: redo the step
+                        self._record_replica_events()
+                        self.train_state.step -= 1
+                        continue
                     if step == start_step + 1:  # the slow first step is done: tighten timeouts
                         flight_recorder.set_pg_timeouts(cfg.comm.train_timeout_seconds)
                     self.train_state.ntokens_seen += tokens_per_step
@@ -599,9 +685,12 @@ class Trainer:
                     # MoE: loss-free bias update from the batch-wide expert counts (every
                     # step, when on) and the load metrics (on log steps).
                     moe = self.moe_stats.end_step(self.metrics.should_log(step) or final)
-                    if row := self._record(step, final, loss, grad_norm, {**moe, **health}):
+                    groups = self.ft.metrics() if self.ft is not None else {}
+                    extra = {**moe, **health, **groups}
+                    if row := self._record(step, final, loss, grad_norm, extra):
                         history.append(row)
-                    self.checkpointer.save(step, last=last, stop=stop_reason is not None)
+                    if self.ft is None or self.ft.saves():  # one replica group saves
+                        self.checkpointer.save(step, last=last, stop=stop_reason is not None)
                     self.checkpointer.poll()
                     if profiler is not None:
                         profiler.step()
@@ -624,8 +713,17 @@ class Trainer:
         )
         return history
 
+    def _reopened(self, data_iter: Any) -> Any:
+        """A new iterator at the data loader's (healed) position; the old one is closed."""
+        self._reopen_data = False
+        if hasattr(data_iter, "close"):
+            data_iter.close()
+        return iter(self.dataloader)
+
     def close(self) -> None:
         """Finish background saves, close sinks, and tear down the process group."""
+        if self.ft is not None:
+            self.ft.close()
         self.checkpointer.close()
         if self.stragglers is not None:
             self.stragglers.close()

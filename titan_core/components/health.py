@@ -441,6 +441,16 @@ class HealthGuard:
             with open(self.jsonl, "a") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in rows))
 
+    def record_replica_groups(self, step: int, events: list[tuple[str, int, str]]) -> None:
+        """Record what the fault-tolerant replica groups went through (a group left or joined,
+        a heal, a step redone): one ``health.jsonl`` row each (the console said it already)."""
+        rows = [
+            {"step": step, "quantity": "replica_groups", "kind": "replica_groups",
+             "value": live, "action": what, "ranks": "all", "detail": line}
+            for what, live, line in events
+        ]  # fmt: skip
+        self._append(rows)
+
     def record_rollback(
         self, line: str, step: int, target: int, skipped: tuple[int, int] | None
     ) -> None:

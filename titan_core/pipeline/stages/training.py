@@ -103,7 +103,9 @@ def health_counts(rows: list[dict]) -> HealthCounts:
     """The counts of a run's ``health.jsonl`` rows."""
     stragglers = [r for r in rows if r.get("kind") == "straggler"]
     rollbacks = [r for r in rows if "quantity" not in r]
-    incidents = [r for r in rows if "quantity" in r and r.get("kind") != "straggler"]
+    incidents = [
+        r for r in rows if "quantity" in r and r.get("kind") not in ("straggler", "replica_groups")
+    ]
     skipped = {r["step"] for r in incidents if r["action"] == "skip"}
     return HealthCounts(len(incidents), len(skipped), len(rollbacks), len(stragglers))
 
@@ -128,6 +130,8 @@ def health_markdown(rows: list[dict]) -> str:
                 value = (
                     f"{r['value'] * 1e3:.1f} ms/step (others' median {r['median'] * 1e3:.1f} ms)"
                 )
+            elif r["kind"] == "replica_groups":
+                what, value = "replica groups", r["detail"]
             elif r["kind"] == "sdc":
                 what = "recompute differs"
                 value = f"{r['differs']}, relative {r['value']:.3g}"
