@@ -52,7 +52,7 @@ def train(
     """
     from titan_core.build import local_side_folder
     from titan_core.components.mlflow_sink import mlflow_env
-    from titan_core.launch import get_launcher, train_spec
+    from titan_core.launch import job_launcher, train_spec
 
     cfg = job
     logger = run_logger()
@@ -80,7 +80,7 @@ def train(
             env_unset=faults,
             log_dir=os.path.join(side, "logs", f"attempt-{attempt}"),
         )
-        launcher = get_launcher(cfg.launch)
+        launcher = job_launcher(cfg)
         logger.info("Launching (%s): %s", cfg.launch.backend, redact(launcher.render(spec)))
         try:
             result = launcher.run(spec, on_line=lambda line: relay_line(logger, line))

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _launch(argv: list[str]) -> int:
     from titan_core.build import check_job, local_side_folder
-    from titan_core.launch import LaunchSpec, get_launcher
+    from titan_core.launch import LaunchSpec, job_launcher
     from titan_core.resolve import parse_args
 
     parsed = COMMAND.parse(argv)
@@ -61,7 +61,7 @@ def _launch(argv: list[str]) -> int:
         from titan_core.storage import check_writable
 
         check_writable(cfg.job.dump_folder, "job.dump_folder")
-    launcher = get_launcher(cfg.launch)
+    launcher = job_launcher(cfg)
     spec = LaunchSpec(
         args=config_argv,
         launch=cfg.launch,

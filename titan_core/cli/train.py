@@ -11,8 +11,8 @@ import sys
 from dataclasses import dataclass
 
 from titan_core.cli.command import Command
-from titan_core.config.job import Launch
-from titan_core.launch import Launcher, LaunchSpec, get_launcher
+from titan_core.config.job import JobConfig
+from titan_core.launch import Launcher, LaunchSpec, job_launcher
 
 
 @dataclass
@@ -66,7 +66,7 @@ def train(ngpu: int, log_rank: str, rest: list[str], dry_run: bool = False) -> i
 
             check_writable(cfg.job.dump_folder, "job.dump_folder")
     if ngpu > 1:
-        launcher, spec = local_train_launch(cfg.launch, rest, ngpu, log_rank)
+        launcher, spec = local_train_launch(cfg, rest, ngpu, log_rank)
         if dry_run:
             print(launcher.render(spec))
             return 0
@@ -83,14 +83,17 @@ def train(ngpu: int, log_rank: str, rest: list[str], dry_run: bool = False) -> i
 
 
 def local_train_launch(
-    launch: Launch, args: list[str], ngpu: int, log_rank: str
+    cfg: JobConfig, args: list[str], ngpu: int, log_rank: str
 ) -> tuple[Launcher, LaunchSpec]:
     """The local launcher and spec of ``titan train --ngpu``: the config's ``[launch]`` section
-    on this one host with ``ngpu`` processes, showing ``log_rank``'s output."""
+    on this one host with ``ngpu`` processes, showing ``log_rank``'s output (a fault-tolerant
+    job: its replica groups, ``ngpu`` processes in all)."""
     launch = dataclasses.replace(
-        launch, backend="local", nnodes=1, nproc_per_node=ngpu, log_ranks=log_rank
+        cfg.launch, backend="local", nnodes=1, nproc_per_node=ngpu, log_ranks=log_rank
     )
-    return get_launcher(launch), LaunchSpec(args=list(args), launch=launch)
+    return job_launcher(dataclasses.replace(cfg, launch=launch)), LaunchSpec(
+        args=list(args), launch=launch
+    )
 
 
 def _comm_mode_args(ngpu: int, rest: list[str]) -> list[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from titan_core.config.job import Launch
+from titan_core.config.job import JobConfig, Launch
 from titan_core.errors import ConfigError
 from titan_core.launch.failures import LaunchError, describe_failure
 from titan_core.launch.spec import Launcher, LaunchResult, LaunchSpec, LineCallback, train_spec
@@ -38,6 +38,14 @@ def get_launcher(launch: Launch) -> Launcher:
     launcher = _BACKENDS[launch.backend]()
     launcher.check(launch)
     return launcher
+
+
+def job_launcher(cfg: JobConfig) -> Launcher:
+    """The launcher of a whole job: its replica groups under ``fault_tolerance.enable``
+    (``replica_groups``), else its ``launch.backend``'s."""
+    from titan_core.launch.replica_groups import launcher_for
+
+    return launcher_for(cfg) or get_launcher(cfg.launch)
 
 
 def _register_builtin() -> None:

@@ -46,11 +46,13 @@ def run_agents(
     spec: LaunchSpec,
     on_line: LineCallback,
     accept: Callable[[str], bool],
+    independent: bool = False,
 ) -> LaunchResult:
     """Run the agent commands to completion, streaming ``accept``-ed lines to ``on_line``.
 
     Lines of agent i > 0 that are not rank output get an ``[agent i]`` prefix. When an agent
-    fails, the others get ``PEER_GRACE_S`` to notice before they are stopped.
+    fails, the others get ``PEER_GRACE_S`` to notice before they are stopped; ``independent``
+    agents (fault-tolerant replica groups) run on, and the job fails only if every one does.
     """
     if spec.log_dir:
         os.makedirs(spec.log_dir, exist_ok=True)
@@ -58,7 +60,7 @@ def run_agents(
     tails: _Tails = [collections.deque[str](maxlen=TAIL_LINES) for _ in cmds]
     lines: _Lines = queue.Queue()
     env = job_environment(spec)
-    agents = _Agents()
+    agents = _Agents(independent)
     timed_out = threading.Event()
     timer = None
     try:
@@ -83,7 +85,11 @@ def run_agents(
     if not any(codes) or not any(_CHILD_FAILED_RE.search(line) for line in held):
         for line in filter(accept, held):  # not torchrun's report of a failed rank: news
             on_line(line)
-    if any(codes):
+    if independent and not all(codes) and not timed_out.is_set():
+        for i, code in enumerate(codes):  # the others finished the job without it
+            if code:
+                on_line(f"[agent {i}] {_failure([code], 0, [tails[i]], spec, False)}")
+    elif any(codes):
         raise _failure(codes, first_failed, tails, spec, timed_out.is_set())
     return LaunchResult(
         command=list(cmds[0]),
@@ -169,7 +175,8 @@ class _Agents:
     thread that started them (``PR_SET_PDEATHSIG``), for a caller killed without cleanup.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, independent: bool = False) -> None:
+        self.independent = independent  # one agent's failure does not end the others
         self.procs: list[subprocess.Popen[str]] = []
         self.known: dict[int, psutil.Process] = {}
         self.failed_at: float | None = None
@@ -210,6 +217,8 @@ class _Agents:
         if now - self._last_scan >= 0.5:
             self._last_scan = now
             self.track()
+        if self.independent:
+            return
         if self.failed_at is None:
             if any(p.poll() not in (None, 0) for p in self.procs):
                 self.failed_at = now

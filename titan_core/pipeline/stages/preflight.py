@@ -107,10 +107,10 @@ def preflight_checks(parsed: JobConfig, logger: Logger | None = None) -> tuple[J
     values resolved (``titan_core.build.resolve_auto``, what the ranks will run) and the
     estimate. ``titan launch`` runs these too."""
     from titan_core.build import resolve_auto
-    from titan_core.launch import get_launcher
+    from titan_core.launch import job_launcher
 
     world_size = parsed.launch.nnodes * parsed.launch.nproc_per_node
-    get_launcher(parsed.launch).probe()  # backend settings, and its tools on this machine
+    job_launcher(parsed).probe()  # backend settings, and its tools on this machine
     cfg = resolve_auto(parsed, world_size)  # what the ranks will run: no "auto" -1 left
     est = dry_run(cfg, world_size, logger)
     check_memory(cfg, est)

@@ -1,0 +1,130 @@
+"""Fault-tolerant replica groups on this host (``fault_tolerance.enable``, backend ``local``).
+
+The launcher starts a torchft lighthouse (unless ``fault_tolerance.lighthouse`` names one) and
+one torchrun agent per replica group, each with ``launch.nproc_per_node / groups`` processes and
+its own restart policy (``launch.max_restarts``): a group that fails is restarted by its agent
+and heals from the live ones, while the others train on. The job succeeds when at least one
+group finishes; a group that fails for good is reported in the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import urllib.parse
+
+from titan_core.config.job import FaultTolerance, JobConfig, Launch
+from titan_core.distributed.fault_tolerance import LIGHTHOUSE_ENV
+from titan_core.errors import ConfigError
+from titan_core.launch.local import LocalLauncher
+from titan_core.launch.spec import LaunchResult, LaunchSpec, LineCallback
+from titan_core.launch.supervise import run_agents
+from titan_core.launch.torchrun import shell_lines
+
+
+def check_lighthouse(address: str, timeout_s: float = 3.0) -> None:
+    """One ``ConfigError`` line unless something listens at the lighthouse ``address``."""
+    parsed = urllib.parse.urlsplit(address)
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port or 80), timeout=timeout_s):
+            pass
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise ConfigError(
+            f"fault_tolerance.lighthouse: {address}: unreachable ({why.lower()})"
+        ) from None
+
+
+class ReplicaGroupsLauncher:
+    """One torchrun agent per replica group on this host, and the lighthouse they share."""
+
+    def __init__(self, ft: FaultTolerance, groups: int) -> None:
+        self.ft, self.groups = ft, groups
+        self.local = LocalLauncher()
+
+    def check(self, launch: Launch) -> None:
+        """``ConfigError`` for what this launcher cannot run."""
+        if launch.backend != "local":
+            raise ConfigError(
+                f"launch.backend: fault_tolerance.enable runs its replica groups with the local "
+                f"backend (one host) for now, got {launch.backend!r}"
+            )
+        self.local.check(launch)
+        if launch.nproc_per_node % self.groups:
+            raise ConfigError(
+                f"launch.nproc_per_node: {launch.nproc_per_node} processes do not split into "
+                f"{self.groups} replica groups (parallelism.data_parallel_replicate_degree)"
+            )
+
+    def probe(self) -> None:
+        """torchft is importable; a configured lighthouse answers."""
+        import torchft  # noqa: F401  (a dependency of the project)
+
+        if self.ft.lighthouse:
+            check_lighthouse(self.ft.lighthouse)
+
+    def commands(self, spec: LaunchSpec, lighthouse: str) -> list[list[str]]:
+        """The torchrun command of each replica group."""
+        self.check(spec.launch)
+        per_group = dataclasses.replace(
+            spec.launch, nproc_per_node=spec.launch.nproc_per_node // self.groups
+        )
+        return [
+            self.local.command(
+                dataclasses.replace(
+                    spec,
+                    launch=per_group,
+                    args=[*spec.args, "--fault_tolerance.group_id", str(g)],
+                    env={**spec.env, LIGHTHOUSE_ENV: lighthouse},
+                )
+            )
+            for g in range(self.groups)
+        ]
+
+    def render(self, spec: LaunchSpec) -> str:
+        """The commands, shell-quoted (the lighthouse's address is known once it runs)."""
+        address = self.ft.lighthouse or "http://<lighthouse started by titan launch>"
+        spec = dataclasses.replace(spec, env={**spec.env, LIGHTHOUSE_ENV: address})
+        return shell_lines(self.commands(spec, address), spec)
+
+    def run(self, spec: LaunchSpec, on_line: LineCallback) -> LaunchResult:
+        """Start the lighthouse (unless configured) and the groups; stream their output."""
+        import torch.distributed as dist
+
+        from titan_core.distributed.fault_tolerance import START_STORE_ENV, quiet_torchft
+
+        quiet_torchft()
+        lighthouse = None
+        address = self.ft.lighthouse
+        if not address:
+            from torchft.coordination import LighthouseServer
+
+            lighthouse = LighthouseServer(
+                bind="[::]:0",
+                min_replicas=self.ft.min_replicas,
+                join_timeout_ms=self.ft.join_timeout_ms,
+                quorum_tick_ms=100,
+                heartbeat_timeout_ms=self.ft.heartbeat_timeout_ms,
+            )
+            address = lighthouse.address()
+            on_line(f"launch: torchft lighthouse at {address} for {self.groups} replica groups")
+        start = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        try:
+            cmds = self.commands(spec, address)
+            env = {LIGHTHOUSE_ENV: address, START_STORE_ENV: f"127.0.0.1:{start.port}"}
+            spec = dataclasses.replace(spec, env={**spec.env, **env})
+            return run_agents(cmds, spec, on_line, accept=lambda line: True, independent=True)
+        finally:
+            if lighthouse is not None:
+                lighthouse.shutdown()
+
+
+def launcher_for(cfg: JobConfig) -> ReplicaGroupsLauncher | None:
+    """The replica-groups launcher of a fault-tolerant job (None: the backend's own)."""
+    if not cfg.fault_tolerance.enable:
+        return None
+    launcher = ReplicaGroupsLauncher(
+        cfg.fault_tolerance, cfg.parallelism.data_parallel_replicate_degree
+    )
+    launcher.check(cfg.launch)
+    return launcher
