@@ -1,0 +1,147 @@
+"""Fault-tolerant replica groups (torchft): real processes on gloo, a real lighthouse, a group
+killed with SIGKILL and restarted by its own torchrun agent.
+
+Each job here is 2 replica groups x 2 ranks (FSDP inside a group), started by ``titan train
+--ngpu 4`` (the replica-groups launcher: a lighthouse and one torchrun agent per group).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from storage_faults import one_line
+
+from titan_core.distributed.fault_tolerance import DIGEST_ENV, KILL_ENV, SLOW_ENV
+
+pytestmark = pytest.mark.multiprocess
+
+GROUPS = ["--parallelism.data_parallel_replicate_degree", "2"]
+FT = [*GROUPS, "--fault_tolerance.enable", "--fault_tolerance.heartbeat_timeout_ms", "500"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> str:
+    """The bundled corpus, prepared (replica groups read a prepared dataset's global order)."""
+    from titan_core.data.assets import bundled_corpus_dir, default_tokenizer_path
+    from titan_core.data.prepare import PrepareSpec, prepare
+
+    spec = PrepareSpec(
+        sources=(str(bundled_corpus_dir() / "train"),),
+        tokenizer_path=str(default_tokenizer_path()),
+        root=str(tmp_path_factory.mktemp("prepared")),
+    )
+    return prepare(spec, workers=1).url
+
+
+def _train(
+    dump: Path, dataset: str, steps: int, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "titan_core.cli", "train", "--ngpu", "4", "--log-rank", "all"]
+    argv += ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
+    argv += ["--job.dump_folder", str(dump), "--training.steps", str(steps)]
+    argv += ["--dataloader.dataset", dataset, "--validation.no_enable", "--metrics.log_freq", "1"]
+    argv += ["--checkpoint.interval", "100", "--checkpoint.no_last_save_model_only", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def test_replica_groups_train_as_hsdp_and_resume_from_storage(tmp_path: Path, dataset: str) -> None:
+    """Without failures the groups' losses are those of a plain HSDP run (dp_replicate 2) from
+    the same seed; when every group died (both killed before step 6, no restarts left), the
+    next job resumes from the checkpoint that the lowest group alone saved, and goes on as the
+    uninterrupted run."""
+    hsdp = _train(tmp_path / "hsdp", dataset, 8, *GROUPS)
+    assert hsdp.returncode == 0, hsdp.stdout[-3000:]
+    saves = ["--checkpoint.interval", "4"]
+    first = _train(tmp_path / "ft", dataset, 8, *FT, *saves, env={KILL_ENV: "0,1:6"})
+    assert first.returncode == 1, first.stdout[-3000:]
+    assert "2 of 2 replica groups live" in first.stdout
+    assert "was killed by SIGKILL" in first.stderr, first.stderr
+    assert sorted(p.name for p in (tmp_path / "ft" / "checkpoint").iterdir()) == ["step-4"]
+    again = _train(tmp_path / "ft", dataset, 8, *FT, *saves)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "healed" not in again.stdout  # no group was ahead: both loaded step 4 from storage
+    assert again.stdout.count("checkpoint/step-4 (step 4)") == 4  # every rank of both groups
+    got, want = _losses(tmp_path / "ft"), _losses(tmp_path / "hsdp")
+    assert sorted(got) == list(range(1, 9))
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step
+    rows = [
+        json.loads(line) for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert rows[-1]["ft/live_groups"] == 2 and rows[-1]["ft/steps_redone"] == 0
+
+
+def test_a_killed_group_heals_from_its_peer_and_rejoins(tmp_path: Path, dataset: str) -> None:
+    """Group 1 is killed (SIGKILL, every rank) before step 5: group 0 steps on without
+    restarting (its process ids unchanged), group 1's torchrun restarts it, it heals from group
+    0 (no checkpoint exists to read: the interval is 100) and rejoins; at the end both groups'
+    weights and optimizer state are bitwise equal."""
+    env = {KILL_ENV: "1:5", SLOW_ENV: "0.3", DIGEST_ENV: "1"}
+    proc = _train(tmp_path / "run", dataset, 30, *FT, "--launch.max_restarts", "1", env=env)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-5000:]
+    assert f"{KILL_ENV}=1:5: 1 dies before step 5" in out
+    assert "fault tolerance: 1 of 2 replica groups live (was 2)" in out
+    assert "fault tolerance: 2 of 2 replica groups live (was 1)" in out
+    starts = re.findall(
+        r"fault tolerance: group (\d) of 2, rank (\d), pid (\d+), restart (\d)", out
+    )
+    pids = {(g, r): {p for gg, rr, p, _ in starts if (gg, rr) == (g, r)} for g, r, _, _ in starts}
+    assert all(len(pids[("0", r)]) == 1 for r in "01"), starts  # the survivor never restarted
+    assert all(len(pids[("1", r)]) == 2 for r in "01"), starts  # killed once, started again
+    assert {s for g, _, _, s in starts if g == "1"} == {"0", "1"}
+    assert re.search(r"group 1 healed from a live group in [\d.]+s", out)
+    assert not (tmp_path / "run" / "checkpoint" / "step-5").exists()  # nothing saved to heal
+    digests = dict(
+        ((g, r), d) for g, r, d in re.findall(r"group (\d) rank (\d) state digest (\w+)", out)
+    )
+    assert len(digests) == 4 and digests[("0", "0")] == digests[("1", "0")], digests
+    assert digests[("0", "1")] == digests[("1", "1")], digests
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert steps[-1] == 30 and sorted(set(steps)) == list(range(1, 31))
+    # The health log of each group has what it went through: the quorum changes, the heal.
+    for group, want in (("run", {"left", "joined"}), ("run/group-1", {"healed"})):
+        rows = [json.loads(line) for line in (tmp_path / group / "health.jsonl").open()]
+        events = {r["action"] for r in rows if r["kind"] == "replica_groups"}
+        assert want <= events, rows
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--fault_tolerance.enable"],
+         "fault_tolerance.enable: expected parallelism.data_parallel_replicate_degree >= 2"),
+        ([*FT, "--fault_tolerance.min_replicas", "3"],
+         "fault_tolerance.min_replicas: expected at most the 2 replica groups"),
+        ([*FT, "--fault_tolerance.lighthouse", "http://127.0.0.1:1"],
+         "fault_tolerance.lighthouse: http://127.0.0.1:1: unreachable (connection refused)"),
+        ([*FT, "--dataloader.dataset", "RAW"],
+         "fault_tolerance.enable: needs a prepared dataset (titan data prepare)"),
+    ],
+    ids=["one-replica", "min-replicas", "lighthouse-unreachable", "raw-text"],
+)  # fmt: skip
+def test_bad_fault_tolerance_input_is_one_line_before_anything_starts(
+    extra: list[str], expected: str, tmp_path: Path, dataset: str, assets: Path
+) -> None:
+    from titan_core.data.assets import bundled_corpus_dir
+
+    raw = str(bundled_corpus_dir() / "train")
+    extra = [raw if e == "RAW" else e for e in extra]
+    argv = [sys.executable, "-m", "titan_core.cli", "launch", "--module", "llama3"]
+    argv += ["--config", "llama3_debugmodel_tiny", "--launch.nproc_per_node", "4"]
+    argv += ["--job.dump_folder", str(tmp_path / "run"), "--dataloader.dataset", dataset, *extra]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert expected in one_line(proc), proc.stderr
+    assert not (tmp_path / "run").exists()
