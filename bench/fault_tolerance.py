@@ -12,7 +12,8 @@ ranks) before step ``--kill-at``, with one restart allowed.
 The table gives each run's wall time, the wall time the kill cost (killed minus undisturbed,
 same mode) and the steps computed twice (rows of a step logged more than once: restart-the-world
 redoes the steps since its checkpoint; replica groups redo at most the step the kill broke).
-Rounds alternate the modes (``--rounds``). The last line gives the steps recomputed by each.
+Rounds alternate the modes (``--rounds``). The last line gives the steps the replica groups
+recomputed (restart-the-world's in its words).
 
     python bench/fault_tolerance.py            # 60 steps, kill before step 37, interval 20
     python bench/fault_tolerance.py --quick    # 12 steps, kill before 7, interval 4, the
@@ -115,10 +116,10 @@ def main() -> None:
             walls = f"- | {hit:.1f} | -"
         print(f"| {mode} | {walls} | {redone[mode]} |")
     final_line(
-        "steps recomputed after the kill",
-        f"replica groups {redone['replica groups']}, restart-the-world "
-        f"{redone['restart-the-world']}",
-        "replica groups <= 1, fewer than restart-the-world",
+        f"steps recomputed after the kill by replica groups (restart-the-world "
+        f"{redone['restart-the-world']})",
+        str(redone["replica groups"]),
+        "<= 1",
     )
 
 

@@ -59,8 +59,8 @@ def _losses(dump: Path) -> dict[int, float]:
 def test_replica_groups_train_as_hsdp_and_resume_from_storage(tmp_path: Path, dataset: str) -> None:
     """Without failures the groups' losses are those of a plain HSDP run (dp_replicate 2) from
     the same seed; when every group died (both killed before step 6, no restarts left), the
-    next job resumes from the checkpoint that the lowest group alone saved, and goes on as the
-    uninterrupted run."""
+    next job resumes from the checkpoint that the lowest group alone saved, stops where a stop
+    request asks (all groups at one step), and the job after goes on as the uninterrupted run."""
     hsdp = _train(tmp_path / "hsdp", dataset, 8, *GROUPS)
     assert hsdp.returncode == 0, hsdp.stdout[-3000:]
     saves = ["--checkpoint.interval", "4"]
@@ -69,10 +69,19 @@ def test_replica_groups_train_as_hsdp_and_resume_from_storage(tmp_path: Path, da
     assert "2 of 2 replica groups live" in first.stdout
     assert "was killed by SIGKILL" in first.stderr, first.stderr
     assert sorted(p.name for p in (tmp_path / "ft" / "checkpoint").iterdir()) == ["step-4"]
+    # A stop request for the resumed job: every group sees it at once (their answers are
+    # averaged with the step), so both stop at step 5; group 0 saved it and records it.
+    (tmp_path / "ft" / "stop-requested").write_text("enough for now")
     again = _train(tmp_path / "ft", dataset, 8, *FT, *saves)
     assert again.returncode == 0, again.stdout[-3000:]
     assert "healed" not in again.stdout  # no group was ahead: both loaded step 4 from storage
     assert again.stdout.count("checkpoint/step-4 (step 4)") == 4  # every rank of both groups
+    assert again.stdout.count("stopped early at step 5 (stop requested)") == 4
+    record = json.loads((tmp_path / "ft" / "stopped-early").read_text())
+    assert record == {"step": 5, "reason": "enough for now"}
+    assert not (tmp_path / "ft" / "stop-requested").exists()
+    last = _train(tmp_path / "ft", dataset, 8, *FT, *saves)
+    assert last.returncode == 0, last.stdout[-3000:]
     got, want = _losses(tmp_path / "ft"), _losses(tmp_path / "hsdp")
     assert sorted(got) == list(range(1, 9))
     for step, loss in want.items():

@@ -162,6 +162,8 @@ class Trainer:
             else None
         )
         self._committed = True  # the last step's update was applied (always, without ft)
+        self._stop_vote: str | None = None  # replica groups: this group's stop request, if any
+        self._stop_agreed = False  # replica groups: some group saw one at this step
         self._reopen_data = False  # a heal moved the data position: read on from there
         self.checkpointer.model_description = describe_model(cfg.model.name, self.model_args)
         if cfg.checkpoint.initial_load_in_hf:
@@ -487,9 +489,17 @@ class Trainer:
             if p.grad is None:  # unused this step here, maybe not in another group
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
-        loss = loss_sum.detach().reshape(1).to(torch.float32).clone()
+        vote = 0.0 if self._stop_vote is None else 1.0
+        loss = torch.stack([loss_sum.detach().float(), torch.tensor(vote, device=self.device)])
         self.ft.average([*grads, loss])
-        return loss.reshape(())
+        self._stop_agreed = bool(loss[1] > 0)  # some group saw a stop request
+        return loss[0]
+
+    def _agreed_stop(self) -> str | None:
+        """The stop request the replica groups agreed on at this step, if any."""
+        if not self._stop_agreed:
+            return None
+        return self._stop_vote if self._stop_vote is not None else "seen by another replica group"
 
     def _record_replica_events(self) -> None:
         """The replica groups' events since the last call, into the health log."""
@@ -647,6 +657,10 @@ class Trainer:
                     fault_tolerance.maybe_kill(step, who)  # drills only
                     if self.ft is not None:
                         self.ft.maybe_slow()
+                        # Replica groups look for a stop request before the step and average
+                        # their answers with its gradients: all of them stop at the same step.
+                        looks = step != t.steps and self.metrics.should_log(step)
+                        self._stop_vote = self.stop_requests.check() if looks else None
                     if step % t.gc_freq == 0:
                         gc.collect(1)
                     batches = self._next_batches(data_iter)
@@ -676,7 +690,10 @@ class Trainer:
                     last = step == t.steps
                     # A requested stop makes this the final step: logged, validated and saved.
                     asked = not last and self.metrics.should_log(step)
-                    stop_reason = self.stop_requests.check() if asked else None
+                    if self.ft is None:
+                        stop_reason = self.stop_requests.check() if asked else None
+                    else:
+                        stop_reason = self._agreed_stop()
                     final = last or stop_reason is not None
                     health, rolled_back = self._guard_point(step, final, data_iter)
                     if rolled_back is not None:  # on from the checkpoint's step
@@ -698,7 +715,10 @@ class Trainer:
                         mem_profiler.step(step)
                     if stop_reason is not None:
                         self.checkpointer.wait()  # the stop's save is committed before its record
-                        self.stop_requests.consume(step, stop_reason)
+                        if self.ft is None or self.ft.saves():  # who saved it records it
+                            self.stop_requests.consume(step, stop_reason)
+                        else:
+                            logger.info("stopped early at step %d (stop requested)", step)
                         break
         finally:
             gc.enable()
