@@ -658,8 +658,9 @@ class FaultTolerance:
     """Limit of one quorum (a group restarting and healing holds the others this long at most)."""
     heartbeat_timeout_ms: int = 2000
     """Lighthouse: a group silent this long is dead, and the next quorum goes on without it."""
-    join_timeout_ms: int = 1000
-    """Lighthouse: how long a quorum waits for groups that are alive but have not asked yet."""
+    join_timeout_ms: int = 10000
+    """Lighthouse: how long a quorum waits for groups that are alive but have not asked yet
+    (a group starting or restarting; a steady quorum does not wait)."""
 
     def __post_init__(self) -> None:
         _require(self.min_replicas >= 1, "fault_tolerance.min_replicas", "an int >= 1",
