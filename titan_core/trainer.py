@@ -502,7 +502,8 @@ class Trainer:
         return self._stop_vote if self._stop_vote is not None else "seen by another replica group"
 
     def _record_replica_events(self) -> None:
-        """The replica groups' events since the last call, into the health log."""
+        """The replica groups' events since the last call, into the health log (at the step
+        they happened before or in: the next one to commit)."""
         assert self.ft is not None
         if self.ft.events and self.guard is not None:
             self.guard.record_replica_groups(self.train_state.step + 1, self.ft.events)
@@ -676,8 +677,8 @@ class Trainer:
                     if self.stragglers is not None:
                         self.stragglers.train_end()
                     if not self._committed:  # a replica group failed in it: redo the step
-                        self._record_replica_events()
                         self.train_state.step -= 1
+                        self._record_replica_events()
                         continue
                     if step == start_step + 1:  # the slow first step is done: tighten timeouts
                         flight_recorder.set_pg_timeouts(cfg.comm.train_timeout_seconds)

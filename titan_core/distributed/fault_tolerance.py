@@ -333,6 +333,8 @@ class ReplicaGroup:
             self.failed_steps += 1
             error = self.manager.errored()
             why = first_line(error.original_exception) if error is not None else "a peer's vote"
+            if "Connection closed by peer" in why or "Connection reset" in why:
+                why = "a peer's connection closed: a replica group died"
             logger.warning("fault tolerance: the step did not commit (%s): redone", why)
             self.events.append(("redone", self.live, f"the step did not commit ({why})"))
         return ok
