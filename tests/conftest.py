@@ -21,6 +21,20 @@ def assets() -> Path:
     return ensure_assets()
 
 
+@pytest.fixture(scope="session")
+def prepared_corpus(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> str:
+    """The bundled corpus, prepared (``titan data prepare``); its URL."""
+    from titan_core.data.assets import bundled_corpus_dir, default_tokenizer_path
+    from titan_core.data.prepare import PrepareSpec, prepare
+
+    spec = PrepareSpec(
+        sources=(str(bundled_corpus_dir() / "train"),),
+        tokenizer_path=str(default_tokenizer_path()),
+        root=str(tmp_path_factory.mktemp("prepared")),
+    )
+    return prepare(spec, workers=1).url
+
+
 # --- storage: a real S3 server (SeaweedFS `weed mini`) ------------------------------------------
 
 # Imported here, not at the top, so that this section stays self-contained.

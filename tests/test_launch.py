@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -283,6 +284,39 @@ def test_slurm_script_runs_torchrun_on_every_node() -> None:
     assert check.returncode == 0, check.stderr
 
 
+def test_slurm_replica_groups_are_job_steps_of_one_script() -> None:
+    from titan_core.config.job import FaultTolerance
+    from titan_core.launch.replica_groups import ReplicaGroupsLauncher
+
+    launch = Launch(backend="slurm", nnodes=6, nproc_per_node=8, max_restarts=2)
+    spec = LaunchSpec(args=["--module", "llama3"], launch=launch, log_dir="/logs")
+    ft = FaultTolerance(enable=True, min_replicas=2, join_timeout_ms=7000)
+    script = ReplicaGroupsLauncher(ft, 3, "slurm").render(spec)
+    joined = script.replace(" \\\n    ", " ")
+    assert "#SBATCH --nodes=6" in script.splitlines()
+    assert re.search(  # the lighthouse in the background, on the first node
+        r"-m titan_core.launch.lighthouse --host .*--min_replicas 2 --join_timeout_ms 7000 .*&$",
+        script,
+        re.M,
+    )
+    assert "for g in $(seq 0 2); do" in script
+    assert "$((29500 + (SLURM_JOB_ID * 3 + g) % 1000))" in script  # a port per job and group
+    step = "srun --job-name=titan-group-$g --nodes=2 --ntasks=2 --ntasks-per-node=1"
+    assert f"{step} --relative=$((g * 2)) --kill-on-bad-exit=1" in joined
+    assert "--rdzv_conf=is_host=$((SLURM_PROCID == 0))" in joined  # the step's first node
+    assert "--nnodes=2 --nproc_per_node=8" in joined and "--max_restarts=2" in joined
+    assert '"--rdzv_id=$SLURM_JOB_ID-$g"' in joined
+    assert '-m titan_core.train --module llama3 --fault_tolerance.group_id "$g" &' in joined
+    assert script.rstrip().endswith('[ $finished -gt 0 ] || exit "$rc"')
+    check = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert check.returncode == 0, check.stderr
+    given = ReplicaGroupsLauncher(
+        FaultTolerance(enable=True, lighthouse="http://lh.example:29510"), 3, "slurm"
+    ).render(spec)
+    assert "export TORCHFT_LIGHTHOUSE=http://lh.example:29510" in given
+    assert "titan_core.launch.lighthouse" not in given
+
+
 def test_slurm_explicit_endpoint_and_bad_settings() -> None:
     script = _script(Launch(backend="slurm", nnodes=2, rdzv_endpoint="store.example:29400"))
     assert "rdzv_endpoint=store.example:29400" in script and "is_host" not in script
@@ -389,6 +423,42 @@ def test_slurm_output_follower_handles_split_characters_and_truncation(tmp_path:
     follower.drain(got.append)
     follower.drain(got.append, final=True)
     assert got[-1] == "requeued"
+
+
+def test_slurm_output_holds_back_torchrun_reports_of_failed_ranks(tmp_path: Path) -> None:
+    """A failed replica group's torchrun report, interleaved with the live group's lines, is
+    not streamed (the script's line on how the group ended says it); it stays in the tail."""
+    from titan_core.launch.slurm import _Follower
+
+    report = [
+        "E1127 19:37:36.605000 29034 torch/distributed/elastic/multiprocessing/api.py:1002] "
+        "failed (exitcode: -9) local_rank: 0 (pid: 29041) of binary: python",
+        "Traceback (most recent call last):",
+        '  File "torch/distributed/run.py", line 1032, in <module>',
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "=" * 54,
+        "titan_core.train FAILED",
+        "-" * 54,
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  exitcode  : -9 (pid: 29041)",
+        "=" * 54,
+    ]
+    other = "Traceback (most recent call last):\nValueError: the lighthouse broke"
+    text = "\n".join(["titan: job 1 on 2 nodes", *report[:3], "[rank0]:step 5", *report[3:]])
+    text += "\nsrun: error: n2: task 0: Exited with exit code 1\n" + other
+    path = tmp_path / "slurm-1.out"
+    path.write_text(text)
+    follower = _Follower(path, lambda line: True)
+    got: list[str] = []
+    follower.drain(got.append, final=True)
+    assert got == [
+        "titan: job 1 on 2 nodes",
+        "[rank0]:step 5",
+        "srun: error: n2: task 0: Exited with exit code 1",
+        *other.splitlines(),  # not torchrun's report: shown
+    ]
+    assert "Root Cause (first observed failure):" in follower.tail
 
 
 @pytest.mark.parametrize(("launcher_env", "prefix"), [({}, "[rank1] [titan]"), (None, "[titan]")])

@@ -5,6 +5,7 @@ step fails with the Slurm state, and an interrupted caller cancels its job."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -92,6 +93,52 @@ def test_killed_job_step_fails_with_the_slurm_state(cluster: SlurmCluster, tmp_p
     assert not cluster.run("squeue", "-h", "-j", job, check=False).stdout.strip()
 
 
+def test_replica_groups_are_job_steps_that_outlive_each_other(
+    cluster: SlurmCluster, tmp_path: Path, prepared_corpus: str
+) -> None:
+    """fault_tolerance on Slurm: 2 replica groups of one node each, each its own job step, the
+    lighthouse started by the batch script. Group 1 dies at step 4 with no restarts left: its
+    step fails, group 0 trains on to the last step, and the job ends COMPLETED."""
+    from titan_core.distributed.fault_tolerance import KILL_ENV
+    from titan_core.launch import job_launcher
+    from titan_core.resolve import parse_args
+
+    dump = tmp_path / "run"
+    args = [*TINY, "--job.dump_folder", str(dump), "--training.steps", "10"]
+    args += ["--dataloader.dataset", prepared_corpus, "--validation.no_enable"]
+    args += ["--metrics.log_freq", "1", "--checkpoint.interval", "100"]
+    args += ["--parallelism.data_parallel_replicate_degree", "2", "--fault_tolerance.enable"]
+    args += ["--fault_tolerance.heartbeat_timeout_ms", "500"]
+    args += ["--launch.backend", "slurm", "--launch.nnodes", "2", "--launch.log_ranks", "all"]
+    args += ["--launch.slurm.poll_seconds", "1", "--launch.slurm.time_limit", "10"]
+    cfg = parse_args(args)
+    spec = LaunchSpec(
+        args=args,
+        launch=cfg.launch,
+        log_dir=str(tmp_path / "logs"),
+        timeout_s=300,
+        env={KILL_ENV: "1:4"},
+    )
+    lines: list[str] = []
+    result = job_launcher(cfg).run(spec, lines.append)
+    out = "\n".join(lines)
+    job = result.job_id
+    assert re.search(rf"titan: job {job} on 2 nodes \(n\[1-2\]\), 2 replica groups of 1 node", out)
+    assert re.search(r"titan: torchft lighthouse at http://[\d.]+:\d+", out), out[-3000:]
+    for g, node in ((0, "n1"), (1, "n2")):
+        assert re.search(rf"titan: replica group {g} on {node}, rendezvous [\d.]+:\d+", out)
+        assert f"fault tolerance: group {g} of 2, rank 0" in out
+    assert f"{KILL_ENV}=1:4: 1 dies before step 4" in out
+    assert "1 of 2 replica groups live (was 2)" in out, out[-3000:]
+    assert "titan: replica group 0 ended with exit code 0" in out
+    assert re.search(r"titan: replica group 1 ended with exit code [1-9]", out), out[-3000:]
+    assert "titan: 1 of 2 replica groups finished" in out
+    assert f"titan: Slurm job {job} ended COMPLETED" in out
+    steps = [json.loads(line)["step"] for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 10, steps
+    assert not list((tmp_path / "logs").glob("lighthouse-*"))  # removed when the job ended
+
+
 SLEEPER = textwrap.dedent(
     """
     import os, time
@@ -143,15 +190,19 @@ def test_interrupted_caller_cancels_its_job(cluster: SlurmCluster, tmp_path: Pat
     assert _job_state(cluster, job) == "CANCELLED"
 
 
-def test_pipeline_trains_on_slurm(
-    cluster: SlurmCluster, prefect_harness: Path, tmp_path: Path
+def test_pipeline_trains_replica_groups_on_slurm(
+    cluster: SlurmCluster, prefect_harness: Path, tmp_path: Path, prepared_corpus: str
 ) -> None:
+    """The pipeline's train stage with fault tolerance on Slurm: two replica groups, each a job
+    step on a node of its own; export and evaluation read what group 0 saved."""
     from pipeline_helpers import flow_logs
 
     from flows.pipeline import pretrain_pipeline
 
     overrides = tiny_values(steps=4, nproc=1) | {"launch.backend": "slurm", "launch.nnodes": 2}
     overrides |= {"launch.slurm.poll_seconds": 1, "launch.slurm.time_limit": "10"}
+    overrides |= {"parallelism.data_parallel_replicate_degree": 2, "fault_tolerance.enable": True}
+    overrides |= {"dataloader.dataset": prepared_corpus}
     overrides |= {"job.dump_folder": str(tmp_path / "runs"), "evaluate.batches": 1}
     overrides["tracking.uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     state, flow_run_id = run_flow(pretrain_pipeline, recipe=TINY[3], overrides=overrides)
@@ -161,6 +212,7 @@ def test_pipeline_trains_on_slurm(
     logs = "\n".join(flow_logs(flow_run_id))
     job = _job_id(logs)
     assert "Launching (slurm): #!/bin/bash" in logs
+    assert "titan: 2 of 2 replica groups finished" in logs
     assert f"titan: Slurm job {job} ended COMPLETED" in logs
     assert re.search(r"\[rank0\]:.*step:\s+4\s", logs)  # rank 0's metrics, live in Prefect
     assert _job_state(cluster, job) == "COMPLETED"

@@ -33,7 +33,13 @@ from titan_core.checkpoint.manager import (
     read_marker,
 )
 from titan_core.checkpoint.states import ModelState
-from titan_core.config.job import ActivationCheckpoint, Compile, JobConfig, Parallelism
+from titan_core.config.job import (
+    ActivationCheckpoint,
+    Compile,
+    FaultTolerance,
+    JobConfig,
+    Parallelism,
+)
 from titan_core.distributed.parallel_dims import ParallelDims
 from titan_core.errors import CheckpointError, ConfigError
 from titan_core.models import get_model_spec
@@ -125,6 +131,7 @@ def eval_config(cfg: JobConfig) -> JobConfig:
         activation_checkpoint=ActivationCheckpoint(mode="none"),
         compile=Compile(enable=False),
         parallelism=Parallelism(),
+        fault_tolerance=FaultTolerance(),  # one process (or world), no replica groups
     )
 
 

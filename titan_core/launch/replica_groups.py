@@ -1,22 +1,32 @@
-"""Fault-tolerant replica groups on this host (``fault_tolerance.enable``, backend ``local``).
+"""Fault-tolerant replica groups (``fault_tolerance.enable``), on this host or on Slurm.
 
-The launcher starts a torchft lighthouse (unless ``fault_tolerance.lighthouse`` names one) and
-one torchrun agent per replica group, each with ``launch.nproc_per_node / groups`` processes and
-its own restart policy (``launch.max_restarts``): a group that fails is restarted by its agent
-and heals from the live ones, while the others train on. The job succeeds when at least one
-group finishes; a group that fails for good is reported in the log.
+Backend ``local``: the launcher starts a torchft lighthouse (unless ``fault_tolerance.lighthouse``
+names one) and one torchrun agent per replica group, each with ``launch.nproc_per_node / groups``
+processes and its own restart policy (``launch.max_restarts``): a group that fails is restarted
+by its agent and heals from the live ones, while the others train on.
+
+Backend ``slurm``: one batch job whose script starts the lighthouse on its first node and runs
+every group as a job step of its own on ``launch.nnodes / groups`` nodes
+(``slurm_script.render_groups``): a step that fails (a lost node, its restarts used up) ends
+that group only.
+
+Either way the job succeeds when at least one group finishes; a group that fails for good is
+reported in the log.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import socket
 import urllib.parse
 
 from titan_core.config.job import FaultTolerance, JobConfig, Launch
 from titan_core.distributed.fault_tolerance import LIGHTHOUSE_ENV
 from titan_core.errors import ConfigError
+from titan_core.launch import slurm_script
 from titan_core.launch.local import LocalLauncher
+from titan_core.launch.slurm import SlurmLauncher
 from titan_core.launch.spec import LaunchResult, LaunchSpec, LineCallback
 from titan_core.launch.supervise import run_agents
 from titan_core.launch.torchrun import shell_lines
@@ -38,16 +48,28 @@ def check_lighthouse(address: str, timeout_s: float = 3.0) -> None:
 class ReplicaGroupsLauncher:
     """One torchrun agent per replica group on this host, and the lighthouse they share."""
 
-    def __init__(self, ft: FaultTolerance, groups: int) -> None:
-        self.ft, self.groups = ft, groups
+    def __init__(self, ft: FaultTolerance, groups: int, backend: str = "local") -> None:
+        self.ft, self.groups, self.backend = ft, groups, backend
         self.local = LocalLauncher()
+        self.slurm = SlurmLauncher(
+            functools.partial(slurm_script.render_groups, ft=ft, groups=groups)
+        )
 
     def check(self, launch: Launch) -> None:
         """``ConfigError`` for what this launcher cannot run."""
+        if launch.backend == "slurm":
+            self.slurm.check(launch)
+            if launch.nnodes % self.groups:
+                raise ConfigError(
+                    f"launch.nnodes: {launch.nnodes} nodes do not split into {self.groups} "
+                    "replica groups (parallelism.data_parallel_replicate_degree); on Slurm each "
+                    "group runs on nodes of its own"
+                )
+            return
         if launch.backend != "local":
             raise ConfigError(
-                f"launch.backend: fault_tolerance.enable runs its replica groups with the local "
-                f"backend (one host) for now, got {launch.backend!r}"
+                "launch.backend: fault_tolerance.enable runs its replica groups with the local "
+                f"(one host) or slurm backend, got {launch.backend!r}"
             )
         self.local.check(launch)
         if launch.nproc_per_node % self.groups:
@@ -60,6 +82,8 @@ class ReplicaGroupsLauncher:
         """torchft is importable; a configured lighthouse answers."""
         import torchft  # noqa: F401  (a dependency of the project)
 
+        if self.backend == "slurm":
+            self.slurm.probe()
         if self.ft.lighthouse:
             check_lighthouse(self.ft.lighthouse)
 
@@ -82,41 +106,42 @@ class ReplicaGroupsLauncher:
         ]
 
     def render(self, spec: LaunchSpec) -> str:
-        """The commands, shell-quoted (the lighthouse's address is known once it runs)."""
+        """The commands, shell-quoted (the lighthouse's address is known once it runs), or the
+        Slurm batch script."""
+        if spec.launch.backend == "slurm":
+            self.check(spec.launch)
+            return self.slurm.render(spec)
         address = self.ft.lighthouse or "http://<lighthouse started by titan launch>"
         spec = dataclasses.replace(spec, env={**spec.env, LIGHTHOUSE_ENV: address})
         return shell_lines(self.commands(spec, address), spec)
 
     def run(self, spec: LaunchSpec, on_line: LineCallback) -> LaunchResult:
         """Start the lighthouse (unless configured) and the groups; stream their output."""
-        import torch.distributed as dist
+        if spec.launch.backend == "slurm":
+            self.check(spec.launch)
+            return self.slurm.run(spec, on_line)
+        from titan_core.launch.lighthouse import serve
 
-        from titan_core.distributed.fault_tolerance import START_STORE_ENV, quiet_torchft
-
-        quiet_torchft()
-        lighthouse = None
-        address = self.ft.lighthouse
-        if not address:
-            from torchft.coordination import LighthouseServer
-
-            lighthouse = LighthouseServer(
-                bind="[::]:0",
-                min_replicas=self.ft.min_replicas,
-                join_timeout_ms=self.ft.join_timeout_ms,
-                quorum_tick_ms=100,
-                heartbeat_timeout_ms=self.ft.heartbeat_timeout_ms,
+        lighthouse, start, env = serve(
+            host="127.0.0.1",
+            min_replicas=self.ft.min_replicas,
+            join_timeout_ms=self.ft.join_timeout_ms,
+            heartbeat_timeout_ms=self.ft.heartbeat_timeout_ms,
+            lighthouse=self.ft.lighthouse,
+        )
+        if lighthouse is not None:
+            on_line(
+                f"launch: torchft lighthouse at {env[LIGHTHOUSE_ENV]} for {self.groups} "
+                "replica groups"
             )
-            address = lighthouse.address()
-            on_line(f"launch: torchft lighthouse at {address} for {self.groups} replica groups")
-        start = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         try:
-            cmds = self.commands(spec, address)
-            env = {LIGHTHOUSE_ENV: address, START_STORE_ENV: f"127.0.0.1:{start.port}"}
+            cmds = self.commands(spec, env[LIGHTHOUSE_ENV])
             spec = dataclasses.replace(spec, env={**spec.env, **env})
             return run_agents(cmds, spec, on_line, accept=lambda line: True, independent=True)
         finally:
             if lighthouse is not None:
                 lighthouse.shutdown()
+            del start
 
 
 def launcher_for(cfg: JobConfig) -> ReplicaGroupsLauncher | None:
@@ -124,7 +149,7 @@ def launcher_for(cfg: JobConfig) -> ReplicaGroupsLauncher | None:
     if not cfg.fault_tolerance.enable:
         return None
     launcher = ReplicaGroupsLauncher(
-        cfg.fault_tolerance, cfg.parallelism.data_parallel_replicate_degree
+        cfg.fault_tolerance, cfg.parallelism.data_parallel_replicate_degree, cfg.launch.backend
     )
     launcher.check(cfg.launch)
     return launcher

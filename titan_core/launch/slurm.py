@@ -35,7 +35,7 @@ from titan_core.launch.failures import (
     signal_name,
 )
 from titan_core.launch.spec import LaunchResult, LaunchSpec, LineCallback
-from titan_core.launch.supervise import terminate_on_sigterm
+from titan_core.launch.supervise import AGENT_FAILED_RE, CHILD_FAILED_RE, terminate_on_sigterm
 from titan_core.launch.torchrun import job_environment, rank_filter
 from titan_core.logging import logger
 
@@ -75,7 +75,14 @@ _ACTIVE_STATES = {
 
 
 class SlurmLauncher:
-    """``slurm``: render an sbatch script, submit it, follow the job to its end."""
+    """``slurm``: render an sbatch script, submit it, follow the job to its end.
+
+    ``script``: what renders the batch script (default ``slurm_script.render``; the replica
+    groups of a fault-tolerant job bring their own).
+    """
+
+    def __init__(self, script: Callable[[LaunchSpec], str] | None = None) -> None:
+        self.script = script or slurm_script.render
 
     def check(self, launch: Launch) -> None:
         """Settings only (a dry run needs no cluster); ``probe`` checks this machine."""
@@ -96,13 +103,13 @@ class SlurmLauncher:
 
     def render(self, spec: LaunchSpec) -> str:
         """The batch script for ``spec`` (paths resolved as ``run`` would)."""
-        return slurm_script.render(spec)
+        return self.script(spec)
 
     def run(self, spec: LaunchSpec, on_line: LineCallback) -> LaunchResult:
         """Submit, stream, wait; ``LaunchError`` naming the Slurm state on failure."""
         try:
             self.probe()
-            text = slurm_script.render(spec)
+            text = self.script(spec)
         except ConfigError as e:
             raise LaunchError(str(e), returncode=2, retryable=False) from None
         start = time.monotonic()
@@ -271,6 +278,7 @@ class _Follower:
         self.num_lines = 0
         self.reached_srun = False  # the script printed its "titan: job" line (setup passed)
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.reports = _Reports()
 
     def drain(self, on_line: LineCallback, final: bool = False) -> None:
         """Stream what was appended since the last call."""
@@ -293,9 +301,48 @@ class _Follower:
                 continue
             self.reached_srun = self.reached_srun or line.startswith("titan: job ")
             self.tail.append(line)
-            if self.accept(line):
+            for shown in self.reports.feed(line):
+                if self.accept(shown):
+                    self.num_lines += 1
+                    on_line(shown)
+        if final:
+            for shown in self.reports.flush():
                 self.num_lines += 1
-                on_line(line)
+                on_line(shown)
+
+
+class _Reports:
+    """Holds back torchrun's report of a failed rank (its error line, then its traceback down to
+    the ``Root Cause`` box) while other steps' lines go on: the job's one line (or, for a
+    replica group, the batch script's line on how it ended) says it instead. A held block that
+    turns out not to be such a report is passed on."""
+
+    def __init__(self) -> None:
+        self.block: list[str] = []
+        self.boxed = False  # the block reached "Root Cause": its closing rule ends it
+
+    def feed(self, line: str) -> list[str]:
+        """The lines to show now, given the next line of the output."""
+        if line.startswith("[rank"):
+            return [line]
+        if not self.block:
+            if AGENT_FAILED_RE.match(line) or line.startswith("Traceback (most recent"):
+                self.block.append(line)
+                return []
+            return [line]
+        self.block.append(line)
+        self.boxed = self.boxed or line.startswith("Root Cause (first observed failure)")
+        if self.boxed and line.startswith("====="):
+            held, self.block, self.boxed = self.block, [], False
+            return [] if any(CHILD_FAILED_RE.search(h) for h in held) else held
+        if len(self.block) > 2 * TAIL_LINES:  # not a report after all
+            return self.flush()
+        return []
+
+    def flush(self) -> list[str]:
+        """What is still held (an unfinished block is not a report)."""
+        held, self.block, self.boxed = self.block, [], False
+        return held
 
 
 def _client(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:

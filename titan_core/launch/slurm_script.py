@@ -14,13 +14,16 @@ import re
 import shlex
 import sys
 
-from titan_core.config.job import Launch
+from titan_core.config.job import FaultTolerance, Launch
+from titan_core.distributed.fault_tolerance import LIGHTHOUSE_ENV
 from titan_core.errors import ConfigError
 from titan_core.launch.spec import LaunchSpec
 from titan_core.launch.torchrun import launcher_variables, torchrun_args
 
 # srun runs this on every node: "$0" is python, "$@" torchrun's options, module and arguments.
 _HOST_ON_NODE_0 = 'exec "$0" "$1" "$2" --rdzv_conf=is_host=$((SLURM_NODEID == 0)) "${@:3}"'
+# The same for a replica group's job step: its first task (on the step's first node) hosts.
+_HOST_ON_TASK_0 = 'exec "$0" "$1" "$2" --rdzv_conf=is_host=$((SLURM_PROCID == 0)) "${@:3}"'
 
 
 def log_folder(spec: LaunchSpec) -> str:
@@ -32,6 +35,119 @@ def log_folder(spec: LaunchSpec) -> str:
 
 def render(spec: LaunchSpec) -> str:
     """The batch script for ``spec`` (paths resolved as the launcher's ``run`` would)."""
+    lines = _head(spec)
+    lines += _endpoint(spec.launch)
+    lines.append(
+        'echo "titan: job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST), '
+        'rendezvous $rdzv_endpoint"'
+    )
+    lines.append(" \\\n  ".join(_wrap(_srun(spec))))
+    return "\n".join(lines) + "\n"
+
+
+def render_groups(spec: LaunchSpec, ft: FaultTolerance, groups: int) -> str:
+    """The batch script of a fault-tolerant job: ``groups`` replica groups of
+    ``launch.nnodes / groups`` nodes each, every group a job step of its own (its own torchrun
+    agents, rendezvous and restarts), so that one group's failure does not end the others.
+
+    The lighthouse (``titan_core.launch.lighthouse``) runs in the background on the first node
+    unless ``fault_tolerance.lighthouse`` names one. The job succeeds when a group finishes.
+    """
+    launch = spec.launch
+    if launch.nnodes % groups:
+        raise ConfigError(
+            f"launch.nnodes: {launch.nnodes} nodes do not split into {groups} replica groups "
+            "(parallelism.data_parallel_replicate_degree); each group runs on nodes of its own"
+        )
+    per_group = launch.nnodes // groups
+    python = shlex.quote(launch.slurm.python or sys.executable)
+    port_base = launch.slurm.rdzv_port_base
+    lines = _head(spec)
+    lines += [
+        'read -r -a nodes <<< "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | xargs)"',
+        "node_addr() {  # a node's NodeAddr (its name when it has none)",
+        "  local addr",
+        "  addr=$(scontrol show node \"$1\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
+        '  echo "${addr:-$1}"',
+        "}",
+        f'echo "titan: job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST), '
+        f'{groups} replica groups of {per_group} node{"s" * (per_group > 1)}"',
+    ]
+    if ft.lighthouse:
+        lines.append(f"export {LIGHTHOUSE_ENV}={shlex.quote(ft.lighthouse)}")
+    else:
+        lines += [
+            "# The lighthouse (torchft's quorum server) and the groups' start store, on this node.",
+            'lighthouse_env="$log_dir/lighthouse-$SLURM_JOB_ID.env"',
+            f'{python} -m titan_core.launch.lighthouse --host "$(node_addr "${{nodes[0]}}")" '
+            f"--min_replicas {ft.min_replicas} --join_timeout_ms {ft.join_timeout_ms} "
+            f'--heartbeat_timeout_ms {ft.heartbeat_timeout_ms} --out "$lighthouse_env" &',
+            "lighthouse_pid=$!",
+            "trap 'kill $lighthouse_pid 2>/dev/null || true' EXIT",
+            "for _ in $(seq 1200); do",
+            '  [ -s "$lighthouse_env" ] || ! kill -0 $lighthouse_pid 2>/dev/null && break',
+            "  sleep 0.1",
+            "done",
+            '[ -s "$lighthouse_env" ] || { echo "titan: the lighthouse did not start" >&2; '
+            "exit 1; }",
+            'export $(cat "$lighthouse_env")',
+        ]
+    group_opts = torchrun_args(
+        launch,
+        nnodes=per_group,
+        endpoint="$rdzv_endpoint",
+        rdzv_id="$SLURM_JOB_ID-$g",
+        log_dir="$log_dir/torchrun-$SLURM_JOB_ID-group-$g",
+        local_ranks_filter=False,
+    )
+    srun = [
+        "srun",
+        "--job-name=titan-group-$g",
+        f"--nodes={per_group}",
+        f"--ntasks={per_group}",
+        "--ntasks-per-node=1",
+        f"--relative=$((g * {per_group}))",
+        "--kill-on-bad-exit=1",
+        "${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}",
+        "bash",
+        "-c",
+        shlex.quote(_HOST_ON_TASK_0),
+        python,
+        "-m",
+        "torch.distributed.run",
+        *(_quote_keeping_vars(o) for o in group_opts),
+        "-m",
+        shlex.quote(spec.module),
+        *(shlex.quote(a) for a in spec.args),
+        "--fault_tolerance.group_id",
+        '"$g"',
+        "&",
+    ]
+    lines += [
+        "pids=()",
+        f"for g in $(seq 0 {groups - 1}); do",
+        f"  head=${{nodes[$((g * {per_group}))]}}",
+        f'  rdzv_endpoint="$(node_addr "$head"):$(({port_base} + '
+        f'(SLURM_JOB_ID * {groups} + g) % 1000))"',
+        '  echo "titan: replica group $g on ${nodes[*]:$((g * '
+        f'{per_group})):{per_group}}}, rendezvous $rdzv_endpoint"',
+        "  " + " \\\n    ".join(_wrap(srun)),
+        "  pids+=($!)",
+        "done",
+        "finished=0",
+        'for g in "${!pids[@]}"; do  # the job succeeds when a group finishes',
+        '  rc=0; wait "${pids[$g]}" || rc=$?',
+        "  if [ $rc = 0 ]; then finished=$((finished + 1)); fi",
+        '  echo "titan: replica group $g ended with exit code $rc"',
+        "done",
+        f'echo "titan: $finished of {groups} replica groups finished"',
+        '[ $finished -gt 0 ] || exit "$rc"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _head(spec: LaunchSpec) -> list[str]:
+    """The directives and the preamble, after checking the paths they name."""
     log_dir = log_folder(spec)
     workdir = os.path.abspath(spec.cwd or os.getcwd())
     for what, path in (("log folder", log_dir), ("working directory", workdir)):
@@ -40,9 +156,7 @@ def render(spec: LaunchSpec) -> str:
                 f"launch.backend: slurm cannot use a {what} with whitespace or '#' in its "
                 f"path (#SBATCH lines do not quote), got {path!r}"
             )
-    lines = _directives(spec.launch, log_dir, workdir) + _preamble(spec, log_dir)
-    lines.append(" \\\n  ".join(_wrap(_srun(spec))))
-    return "\n".join(lines) + "\n"
+    return _directives(spec.launch, log_dir, workdir) + _preamble(spec, log_dir)
 
 
 def _directives(launch: Launch, log_dir: str, workdir: str) -> list[str]:
@@ -81,11 +195,6 @@ def _preamble(spec: LaunchSpec, log_dir: str) -> list[str]:
     exports = [f"{k}={shlex.quote(v)}" for k, v in launcher_variables(spec.launch).items()]
     lines.append(f"export {' '.join(exports)}")
     lines.append(f"log_dir={shlex.quote(log_dir)}")
-    lines += _endpoint(spec.launch)
-    lines.append(
-        'echo "titan: job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST), '
-        'rendezvous $rdzv_endpoint"'
-    )
     return lines
 
 

@@ -35,8 +35,8 @@ _PEER_TERM_GRACE_S = 5.0  # after one agent fails, the others get this long to n
 
 # torchrun's report of a failed worker: an error log line per worker, then (as it exits) a
 # traceback of its own.
-_AGENT_FAILED_RE = re.compile(r"^E\d{4} .*torch/distributed/elastic/.*\] failed \(exitcode")
-_CHILD_FAILED_RE = re.compile(r"ChildFailedError|Root Cause \(first observed failure\)")
+AGENT_FAILED_RE = re.compile(r"^E\d{4} .*torch/distributed/elastic/.*\] failed \(exitcode")
+CHILD_FAILED_RE = re.compile(r"ChildFailedError|Root Cause \(first observed failure\)")
 _Lines = queue.Queue[tuple[int, str | None]]  # (agent, line); None: the agent's output ended
 _Tails = list[collections.deque[str]]  # per agent, its last lines, unprefixed
 
@@ -82,7 +82,7 @@ def run_agents(
         if timer is not None:
             timer.cancel()
         agents.close()
-    if not any(codes) or not any(_CHILD_FAILED_RE.search(line) for line in held):
+    if not any(codes) or not any(CHILD_FAILED_RE.search(line) for line in held):
         for line in filter(accept, held):  # not torchrun's report of a failed rank: news
             on_line(line)
     if independent and not all(codes) and not timed_out.is_set():
@@ -131,7 +131,7 @@ def _stream(
         tails[i].append(line)
         agent_line = not line.startswith("[rank")
         holding[i] = holding[i] or (agent_line and line.startswith("Traceback (most recent"))
-        report = agent_line and (holding[i] or bool(_AGENT_FAILED_RE.match(line)))
+        report = agent_line and (holding[i] or bool(AGENT_FAILED_RE.match(line)))
         if i and agent_line:
             line = f"[agent {i}] {line}"
         if report:

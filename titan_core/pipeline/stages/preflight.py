@@ -67,13 +67,24 @@ def dry_run(cfg: JobConfig, world_size: int, logger: Logger | None = None) -> An
     from titan_core.comm_mode import dry_run as fake_backend_dry_run
     from titan_core.estimate import estimate
 
+    what = ""
+    if cfg.fault_tolerance.enable:  # each replica group is a job of its own: run one
+        groups = cfg.parallelism.data_parallel_replicate_degree
+        cfg = dataclasses.replace(
+            cfg,
+            parallelism=dataclasses.replace(cfg.parallelism, data_parallel_replicate_degree=1),
+            fault_tolerance=dataclasses.replace(cfg.fault_tolerance, enable=False, semi_sync="off"),
+        )
+        world_size //= groups
+        what = f" (one of {groups} replica groups)"
     fake = dataclasses.replace(
         cfg, comm=dataclasses.replace(cfg.comm, mode="fake_backend", fake_world_size=world_size)
     )
     report = fake_backend_dry_run(fake)
     (logger or titan_logger()).info(
-        "Fake-backend dry run at world size %d: one step in %.2fs, rank 0 holds %s parameters",
+        "Fake-backend dry run at world size %d%s: one step in %.2fs, rank 0 holds %s parameters",
         world_size,
+        what,
         report.step_seconds,
         f"{report.step.num_params:,}",
     )

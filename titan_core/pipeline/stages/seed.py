@@ -14,7 +14,13 @@ from typing import Any
 
 from titan_core import storage
 from titan_core.checkpoint.manager import read_marker
-from titan_core.config.job import ActivationCheckpoint, Compile, JobConfig, Parallelism
+from titan_core.config.job import (
+    ActivationCheckpoint,
+    Compile,
+    FaultTolerance,
+    JobConfig,
+    Parallelism,
+)
 from titan_core.pipeline.run.paths import SEED_DIR, storage_identity
 from titan_core.pipeline.run.transfer import refresh
 
@@ -43,6 +49,7 @@ def seed_config(cfg: JobConfig) -> JobConfig:
         cfg,
         checkpoint=dataclasses.replace(cfg.checkpoint, enable=True, create_seed_checkpoint=True),
         parallelism=Parallelism(),
+        fault_tolerance=FaultTolerance(),  # one process (or world), no replica groups
         compile=Compile(enable=False),
         activation_checkpoint=ActivationCheckpoint(mode="none"),
         validation=dataclasses.replace(cfg.validation, enable=False),
