@@ -29,6 +29,8 @@ ADDED_KEYS = {  # issue 22: the step guard ([health]) and fault drills
     *(f"fault_tolerance.{name}" for name in ("enable", "group_id", "lighthouse", "min_replicas")),
     *(f"fault_tolerance.{name}" for name in ("timeout_seconds", "quorum_timeout_seconds")),
     *(f"fault_tolerance.{name}" for name in ("heartbeat_timeout_ms", "join_timeout_ms")),
+    *(f"fault_tolerance.{name}" for name in ("semi_sync", "sync_every", "outer_lr")),
+    "fault_tolerance.outer_momentum",
 }
 
 # The tiny debug Llama: seconds of CPU per step on gloo.

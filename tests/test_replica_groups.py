@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from storage_faults import one_line
 
 from titan_core.distributed.fault_tolerance import DIGEST_ENV, KILL_ENV, SLOW_ENV
@@ -26,23 +27,21 @@ FT = [*GROUPS, "--fault_tolerance.enable", "--fault_tolerance.heartbeat_timeout_
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> str:
-    """The bundled corpus, prepared (replica groups read a prepared dataset's global order)."""
-    from titan_core.data.assets import bundled_corpus_dir, default_tokenizer_path
-    from titan_core.data.prepare import PrepareSpec, prepare
-
-    spec = PrepareSpec(
-        sources=(str(bundled_corpus_dir() / "train"),),
-        tokenizer_path=str(default_tokenizer_path()),
-        root=str(tmp_path_factory.mktemp("prepared")),
-    )
-    return prepare(spec, workers=1).url
+def dataset(prepared_corpus: str) -> str:
+    """Replica groups read a prepared dataset's global order."""
+    return prepared_corpus
 
 
 def _train(
-    dump: Path, dataset: str, steps: int, *extra: str, env: dict[str, str] | None = None
+    dump: Path,
+    dataset: str,
+    steps: int,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    ngpu: int = 4,
 ) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "titan_core.cli", "train", "--ngpu", "4", "--log-rank", "all"]
+    argv = [sys.executable, "-m", "titan_core.cli", "train", "--ngpu", str(ngpu), "--log-rank"]
+    argv += ["all"]
     argv += ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
     argv += ["--job.dump_folder", str(dump), "--training.steps", str(steps)]
     argv += ["--dataloader.dataset", dataset, "--validation.no_enable", "--metrics.log_freq", "1"]
@@ -127,6 +126,112 @@ def test_a_killed_group_heals_from_its_peer_and_rejoins(tmp_path: Path, dataset:
         assert want <= events, rows
 
 
+def test_a_rollback_takes_every_group_back_to_the_same_checkpoint(
+    tmp_path: Path, dataset: str
+) -> None:
+    """The health guard with replica groups: a NaN loss in one group is in the averaged loss
+    every group checks, so all of them roll back at step 6 to the step-4 checkpoint group 0
+    saved, skip the same samples, and finish with bitwise equal weights."""
+    run = tmp_path / "run"
+    extra = ["--checkpoint.interval", "4", "--health.nonfinite", "rollback"]
+    extra += ["--debug.inject", "nan_loss:6", "--debug.drill"]
+    proc = _train(run, dataset, 8, *FT, *extra, env={DIGEST_ENV: "1"}, ngpu=2)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-5000:]
+    assert out.count("health: step 6: rolled back to step 4") == 2, out[-5000:]  # each group
+    digests = re.findall(r"group (\d) rank 0 state digest (\w+)", out)
+    assert len(digests) == 2 and digests[0][1] == digests[1][1], digests
+    for folder in (run, run / "group-1"):
+        rows = [json.loads(line) for line in (folder / "health.jsonl").open()]
+        assert {"step": 6, "action": "rollback", "to_step": 4} in [
+            {k: r.get(k) for k in ("step", "action", "to_step")} for r in rows
+        ], rows
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").open()]
+    assert steps == [1, 2, 3, 4, 5, 5, 6, 7, 8], steps
+
+
+def _model_digests(out: str) -> dict[tuple[str, str], str]:
+    found = re.findall(r"group (\d) rank (\d) state digest \w+, model digest (\w+)", out)
+    return {(g, r): d for g, r, d in found}
+
+
+def test_semi_sync_groups_heal_and_agree_after_every_sync(tmp_path: Path, dataset: str) -> None:
+    """semi_sync diloco, 2 groups x 2 ranks (FSDP inside), a weight sync every 3 steps: group 1
+    is killed before step 5, restarted and healed from group 0 (with the outer optimizer's
+    state and the last sync's weights); after the last step's sync both groups' weights are
+    bitwise equal (their inner optimizers' moments are their own)."""
+    semi = ["--fault_tolerance.semi_sync", "diloco", "--fault_tolerance.sync_every", "3"]
+    env = {KILL_ENV: "1:5", SLOW_ENV: "1.0", DIGEST_ENV: "1"}
+    run = tmp_path / "run"
+    proc = _train(run, dataset, 14, *FT, *semi, "--launch.max_restarts", "1", env=env)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-5000:]
+    assert f"{KILL_ENV}=1:5: 1 dies before step 5" in out
+    assert "this group's loss is logged" in out  # the step it died in: no average, no redo
+    assert re.search(r"group 1 healed from a live group in [\d.]+s", out)
+    digests = _model_digests(out)
+    assert len(digests) == 4, out[-3000:]
+    assert digests[("0", "0")] == digests[("1", "0")] and digests[("0", "1")] == digests[("1", "1")]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == list(range(1, 15))
+    # Syncs after steps 3, 6 (group 0 alone), 9, 12 and 14 (the last).
+    assert [r["ft/syncs"] for r in rows if r["step"] in (2, 3, 6, 14)] == [0, 1, 2, 5]
+
+
+def test_semi_sync_math_local_sgd_diloco_and_the_state_that_heals() -> None:
+    """Two groups' weights drift apart; a sync gives both the average (local_sgd), or the last
+    sync's weights moved by an outer SGD step on the average drift (diloco): at lr 1 without
+    momentum that is the average again. The state a healing group receives (last sync's
+    weights, outer momentum) makes its next sync the same as its peer's."""
+    from titan_core.config.job import FaultTolerance
+    from titan_core.distributed.fault_tolerance import SemiSync
+
+    def groups(mode: str, **outer: float) -> list[SemiSync]:
+        cfg = FaultTolerance(enable=True, semi_sync=mode, sync_every=2, **outer)  # type: ignore[arg-type]
+        params = [
+            lambda: torch.nn.Parameter(torch.ones(3)),
+            lambda: torch.nn.Parameter(torch.zeros(2)),
+        ]
+        return [SemiSync(cfg, [make() for make in params]) for _ in range(2)]
+
+    def drift(gs: list[SemiSync], by: float) -> None:
+        with torch.no_grad():
+            for i, g in enumerate(gs):
+                for p in g.params:
+                    p.add_(by * (i + 1))
+
+    def sync(gs: list[SemiSync]) -> None:
+        payloads = [g.payload() for g in gs]
+        average = [torch.stack(ts).mean(0) for ts in zip(*payloads, strict=True)]
+        for g in gs:
+            g.apply([a.clone() for a in average])
+
+    local, plain = groups("local_sgd"), groups("diloco", outer_lr=1.0, outer_momentum=0.0)
+    for gs in (local, plain):
+        drift(gs, 0.5)
+        sync(gs)
+    for p, q, r in zip(local[0].params, local[1].params, plain[0].params, strict=True):
+        assert torch.equal(p, q) and torch.allclose(p, r)
+    assert local[0].params[0].tolist() == [1.75] * 3  # 1 + mean(0.5, 1.0)
+    assert local[0].due(4, False) and local[0].due(5, True) and not local[0].due(5, False)
+
+    nesterov = groups("diloco", outer_lr=0.7, outer_momentum=0.9)
+    drift(nesterov, 0.5)
+    sync(nesterov)  # pseudo-gradient -0.75; Nesterov's first step: lr * (g + 0.9 * g)
+    assert nesterov[0].params[0].tolist() == pytest.approx([1 + 0.7 * 0.75 * 1.9] * 3)
+    healed = groups("diloco", outer_lr=0.7, outer_momentum=0.9)[1]
+    healed.load_state_dict(nesterov[0].state_dict())
+    with torch.no_grad():
+        for p, q in zip(healed.params, nesterov[0].params, strict=True):
+            p.copy_(q)  # the model heals alongside
+    twins = [nesterov[0], healed]
+    drift(twins, 0.25)
+    sync(twins)
+    assert healed.syncs == nesterov[0].syncs == 2
+    for p, q in zip(healed.params, nesterov[0].params, strict=True):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize(
     "extra, expected",
     [
@@ -138,8 +243,15 @@ def test_a_killed_group_heals_from_its_peer_and_rejoins(tmp_path: Path, dataset:
          "fault_tolerance.lighthouse: http://127.0.0.1:1: unreachable (connection refused)"),
         ([*FT, "--dataloader.dataset", "RAW"],
          "fault_tolerance.enable: needs a prepared dataset (titan data prepare)"),
+        ([*FT, "--launch.backend", "slurm", "--launch.nnodes", "3"],
+         "launch.nnodes: 3 nodes do not split into 2 replica groups"),
+        ([*FT, "--fault_tolerance.semi_sync", "diloco", "--health.nonfinite", "rollback"],
+         "health.nonfinite: expected skip or stop with fault_tolerance.semi_sync"),
+        ([*FT, "--launch.backend", "local_multinode", "--launch.nnodes", "2"],
+         "launch.backend: fault_tolerance.enable runs its replica groups with the local"),
     ],
-    ids=["one-replica", "min-replicas", "lighthouse-unreachable", "raw-text"],
+    ids=["one-replica", "min-replicas", "lighthouse-unreachable", "raw-text", "slurm-nodes",
+         "semi-sync-rollback", "multinode"],
 )  # fmt: skip
 def test_bad_fault_tolerance_input_is_one_line_before_anything_starts(
     extra: list[str], expected: str, tmp_path: Path, dataset: str, assets: Path

@@ -156,6 +156,10 @@ class Trainer:
             rank=self.dist.rank,
             world_size=self.dist.world_size,
         )
+        self.semi = None  # semi-synchronous replica groups: their weight syncs
+        if ft.enable and ft.semi_sync != "off":
+            self.semi = fault_tolerance.SemiSync(ft, self._params)
+            states = {**states, "semi_sync": self.semi}  # heals with the rest; not checkpointed
         self.ft = (
             fault_tolerance.ReplicaGroup(ft, groups, self.device, states, self._healed)
             if ft.enable
@@ -451,7 +455,7 @@ class Trainer:
         if due := [i for i in self.injections if i[1] == step]:  # a drill fires once
             loss_sum = inject_faults(due, step, loss_sum, self._params)
             self.injections = [i for i in self.injections if i[1] != step]
-        if self.ft is not None:  # the step's gradients and loss, averaged over the groups
+        if self.ft is not None and self.semi is None:  # gradients and loss, over the groups
             loss_sum = self._average_over_groups(loss_sum)
         grad_norm = dist_utils.clip_grad_norm_(
             self._params, self.cfg.training.max_norm, self._pp_group()
@@ -464,8 +468,8 @@ class Trainer:
             else:
                 apply = not bool(found_inf.item())  # foreach / for-loop: no device-side skip
         self.checkpointer.wait_for_staging()  # a background save may still be copying weights
-        if self.ft is not None:  # every live group got through the step, or none applies it
-            self._committed = self.ft.commit()
+        if self.ft is not None and self.semi is None:  # every live group got through the step
+            self._committed = self.ft.commit()  # or none applies it
             apply = apply and self._committed
             if not self._committed:
                 return loss_sum, grad_norm
@@ -478,7 +482,32 @@ class Trainer:
             for g, lr in zip(self.optimizer.param_groups, scheduled, strict=True):
                 g["lr"] = lr
         self.lr_scheduler.step()
+        if self.semi is not None:
+            loss_sum = self._sync_groups(step, loss_sum)
         return loss_sum, grad_norm
+
+    def _sync_groups(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Semi-synchronous replica groups, after this group's own update: the loss and stop
+        vote averaged over the live groups, and at a sync step the weights too (see
+        ``fault_tolerance.SemiSync``). A sync that does not commit keeps each group's own
+        weights until the next one; the step is not redone. Returns the averaged loss."""
+        assert self.ft is not None and self.semi is not None
+        sync = self.semi.due(step, step == self.cfg.training.steps)
+        payload = self.semi.payload() if sync else []
+        vote = 0.0 if self._stop_vote is None else 1.0
+        loss = torch.stack([loss_sum.detach().float(), torch.tensor(vote, device=self.device)])
+        self.ft.average([*payload, loss])
+        if sync:
+            ok = self.ft.commit("the weights' sync", "each group keeps its own until the next")
+        else:
+            ok = self.ft.commit("the loss's average", "this group's loss is logged")
+        if not ok:
+            self._stop_agreed = self._stop_vote is not None
+            return loss_sum
+        if sync:
+            self.semi.apply(payload)
+        self._stop_agreed = bool(loss[1] > 0)
+        return loss[0]
 
     def _average_over_groups(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Average this rank's gradient shards and loss with the same rank of every live
@@ -608,6 +637,8 @@ class Trainer:
             start_step, quorum = self.train_state.step, True
         else:  # no group ahead (a fresh job, or every group restarted): from storage
             start_step, quorum = self._restore(), self.ft is not None
+            if self.semi is not None:
+                self.semi.reset()  # the loaded weights are every group's last sync
         if start_step >= cfg.training.steps:
             logger.info(
                 "Checkpoint is at step %d >= training.steps=%d: nothing to train",
@@ -704,6 +735,8 @@ class Trainer:
                     # step, when on) and the load metrics (on log steps).
                     moe = self.moe_stats.end_step(self.metrics.should_log(step) or final)
                     groups = self.ft.metrics() if self.ft is not None else {}
+                    if self.semi is not None:
+                        groups["ft/syncs"] = float(self.semi.syncs)
                     extra = {**moe, **health, **groups}
                     if row := self._record(step, final, loss, grad_norm, extra):
                         history.append(row)

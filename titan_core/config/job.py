@@ -661,10 +661,27 @@ class FaultTolerance:
     join_timeout_ms: int = 10000
     """Lighthouse: how long a quorum waits for groups that are alive but have not asked yet
     (a group starting or restarting; a steady quorum does not wait)."""
+    semi_sync: Literal["off", "local_sgd", "diloco"] = "off"
+    """off: gradients averaged across groups every step. local_sgd: each group steps on its
+    own and the weights are averaged every sync_every steps. diloco: the same, but the groups'
+    average drift since the last sync (the pseudo-gradient) is applied by an outer Nesterov
+    SGD (outer_lr, outer_momentum). For groups on slow links."""
+    sync_every: int = 20
+    """semi_sync: steps between weight syncs (and after the last step)."""
+    outer_lr: float = 0.7
+    """semi_sync diloco: the outer optimizer's learning rate."""
+    outer_momentum: float = 0.9
+    """semi_sync diloco: the outer optimizer's Nesterov momentum (0: plain SGD)."""
 
     def __post_init__(self) -> None:
         _require(self.min_replicas >= 1, "fault_tolerance.min_replicas", "an int >= 1",
                  self.min_replicas)  # fmt: skip
+        _require(self.sync_every >= 1, "fault_tolerance.sync_every", "an int >= 1",
+                 self.sync_every)  # fmt: skip
+        _require(self.outer_lr > 0 and math.isfinite(self.outer_lr), "fault_tolerance.outer_lr",
+                 "a finite number > 0", self.outer_lr)  # fmt: skip
+        _require(0 <= self.outer_momentum < 1, "fault_tolerance.outer_momentum",
+                 "a number in [0, 1)", self.outer_momentum)  # fmt: skip
         _require(self.group_id >= -1, "fault_tolerance.group_id", "-1 (unset) or an int >= 0",
                  self.group_id)  # fmt: skip
         for key in ("timeout_seconds", "quorum_timeout_seconds"):
@@ -1042,6 +1059,14 @@ class JobConfig:
                      "(parallelism.data_parallel_replicate_degree)", ft.min_replicas)  # fmt: skip
             _require(ft.group_id < groups, "fault_tolerance.group_id",
                      f"-1 or a group 0..{groups - 1}", ft.group_id)  # fmt: skip
+        _require(ft.enable or ft.semi_sync == "off", "fault_tolerance.semi_sync",
+                 "off unless fault_tolerance.enable (it syncs replica groups)",
+                 ft.semi_sync)  # fmt: skip
+        if ft.semi_sync != "off" and self.health.enable:
+            for key in ("nonfinite", "spike", "sdc"):  # each group's guard sees its own loss
+                _require(getattr(self.health, key) != "rollback", f"health.{key}",
+                         "skip or stop with fault_tolerance.semi_sync (a group would roll back "
+                         "alone, off the others' steps)", getattr(self.health, key))  # fmt: skip
         _require(
             self.dataloader.document_masking or not self.training.document_positions,
             "training.document_positions",

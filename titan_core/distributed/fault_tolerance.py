@@ -159,6 +159,87 @@ def _from_safe_form(received: dict[str, Any], template: dict[str, Any]) -> dict[
     return tree_unflatten(leaves, treespec_loads(meta["spec"]))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (its local shard under FSDP/TP), a view to write."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class SemiSync(Stateful):
+    """Semi-synchronous replica groups (``fault_tolerance.semi_sync``): each group steps on
+    its own; every ``sync_every`` steps (and after the last) the groups average their weights
+    (``local_sgd``) or their drift since the last sync, which an outer Nesterov SGD applies to
+    the weights of that sync (``diloco``). Works on each rank's local shards: the layouts are
+    the same in every group. Its state (the last sync's weights, the outer momentum) heals with
+    the rest."""
+
+    def __init__(self, cfg: FaultTolerance, params: list[torch.nn.Parameter]) -> None:
+        self.mode, self.every = cfg.semi_sync, cfg.sync_every
+        self.params = params
+        self.syncs = 0
+        self.anchor: list[torch.Tensor] = []
+        self.outer: torch.optim.SGD | None = None
+        if self.mode == "diloco":
+            self.anchor = [_local(p).detach().clone() for p in params]
+            self.outer = torch.optim.SGD(
+                self.anchor,
+                lr=cfg.outer_lr,
+                momentum=cfg.outer_momentum,
+                nesterov=cfg.outer_momentum > 0,
+            )
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether ``step`` ends with a sync (the same answer in every group: by global step)."""
+        return last or step % self.every == 0
+
+    def reset(self) -> None:
+        """The current weights are the last sync's (after a load from storage)."""
+        if self.outer is None:
+            return
+        with torch.no_grad():
+            for a, p in zip(self.anchor, self.params, strict=True):
+                a.copy_(_local(p))
+
+    def payload(self) -> list[torch.Tensor]:
+        """What the groups average at a sync: the weights, or the drift since the last sync."""
+        with torch.no_grad():
+            if self.mode == "local_sgd":
+                return [_local(p).detach().clone() for p in self.params]
+            return [a - _local(p) for a, p in zip(self.anchor, self.params, strict=True)]
+
+    def apply(self, averaged: list[torch.Tensor]) -> None:
+        """Set every group's weights from the average (the outer step first, for diloco)."""
+        with torch.no_grad():
+            if self.outer is not None:
+                for a, g in zip(self.anchor, averaged, strict=True):
+                    a.grad = g
+                self.outer.step()
+                self.outer.zero_grad(set_to_none=True)
+                averaged = self.anchor
+            for p, new in zip(self.params, averaged, strict=True):
+                _local(p).copy_(new)
+        self.syncs += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.outer is None:
+            return {"syncs": self.syncs}
+        momentum = [self.outer.state.get(a, {}).get("momentum_buffer") for a in self.anchor]
+        return {
+            "syncs": self.syncs,
+            "anchor": self.anchor,
+            "momentum": [torch.zeros_like(a) if m is None else m for m, a in
+                         zip(momentum, self.anchor, strict=True)],
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.syncs = int(state["syncs"])
+        if self.outer is None:
+            return
+        with torch.no_grad():
+            for a, new, m in zip(self.anchor, state["anchor"], state["momentum"], strict=True):
+                a.copy_(new)
+                self.outer.state[a]["momentum_buffer"] = m.clone()
+
+
 class ReplicaGroup:
     """This replica group's part in the fault-tolerant job: quorum, averaging, commit, heal.
 
@@ -189,15 +270,29 @@ class ReplicaGroup:
         timeout = timedelta(seconds=cfg.timeout_seconds)
 
         class SafeHTTPTransport(HTTPTransport):
-            """torchft's HTTP transport, loading what it receives with ``weights_only``."""
+            """torchft's HTTP transport, loading what it receives with ``weights_only``; its
+            server logs errors, not every request."""
+
+            def __init__(self, timeout: timedelta, num_chunks: int) -> None:
+                super().__init__(timeout=timeout, num_chunks=num_chunks)
+                handler = self._server.RequestHandlerClass
+                self._server.RequestHandlerClass = type(
+                    "QuietHandler", (handler,), {"log_request": lambda *args, **kwargs: None}
+                )
 
             @classmethod
             def _load_from_address(cls, address: str, timeout: timedelta) -> object:
                 import urllib.request
+                import warnings
 
                 from torchft.checkpointing._serialization import _streaming_load
 
-                with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                with (
+                    urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f,
+                    warnings.catch_warnings(),
+                ):
+                    # The tensors are built on the received bytes, then copied into the states.
+                    warnings.filterwarnings("ignore", "The given buffer is not writable")
                     return _streaming_load(f, weights_only=True)
 
         pg = (
@@ -326,8 +421,9 @@ class ReplicaGroup:
             parts = flat.split([t.numel() for t in group])
             torch._foreach_copy_(group, [p.view_as(t) for p, t in zip(parts, group, strict=True)])
 
-    def commit(self) -> bool:
-        """Whether this step's update may be applied: every live group got through it."""
+    def commit(self, what: str = "the step", then: str = "redone") -> bool:
+        """Whether this step's update may be applied: every live group got through it. When not,
+        the log says that ``what`` did not commit, and ``then`` what happens."""
         ok = self.manager.should_commit()
         if not ok:
             self.failed_steps += 1
@@ -335,8 +431,8 @@ class ReplicaGroup:
             why = first_line(error.original_exception) if error is not None else "a peer's vote"
             if "Connection closed by peer" in why or "Connection reset" in why:
                 why = "a peer's connection closed: a replica group died"
-            logger.warning("fault tolerance: the step did not commit (%s): redone", why)
-            self.events.append(("redone", self.live, f"the step did not commit ({why})"))
+            logger.warning("fault tolerance: %s did not commit (%s): %s", what, why, then)
+            self.events.append(("redone", self.live, f"{what} did not commit ({why}): {then}"))
         return ok
 
     def saves(self) -> bool:
@@ -353,10 +449,10 @@ class ReplicaGroup:
             "ft/heal_seconds": self.heal_seconds,
         }
 
-    def digest(self) -> str:
-        """A sha256 of this rank's model and optimizer state (local shards), to compare groups."""
+    def digest(self, parts: tuple[str, ...] = ("model", "optimizer")) -> str:
+        """A sha256 of this rank's state ``parts`` (local shards), to compare groups."""
         h = hashlib.sha256()
-        leaves, _ = tree_flatten({k: self.states[k].state_dict() for k in ("model", "optimizer")})
+        leaves, _ = tree_flatten({k: self.states[k].state_dict() for k in parts})
         for leaf in leaves:
             if isinstance(leaf, DTensor):
                 leaf = leaf.to_local()
@@ -370,7 +466,7 @@ class ReplicaGroup:
         if os.environ.get(DIGEST_ENV):
             rank = dist.get_rank() if dist.is_initialized() else 0
             logger.info(
-                "fault tolerance: group %d rank %d state digest %s",
-                self.group_id, rank, self.digest(),
+                "fault tolerance: group %d rank %d state digest %s, model digest %s",
+                self.group_id, rank, self.digest(), self.digest(("model",)),
             )  # fmt: skip
         self.manager.shutdown(wait=False)
