@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from storage_faults import one_line
 
 from titan_core.distributed.fault_tolerance import DIGEST_ENV, KILL_ENV, SLOW_ENV
 
@@ -178,6 +177,21 @@ def test_semi_sync_groups_heal_and_agree_after_every_sync(tmp_path: Path, datase
     assert [r["ft/syncs"] for r in rows if r["step"] in (2, 3, 6, 14)] == [0, 1, 2, 5]
 
 
+def test_semi_sync_groups_stop_together_at_the_next_sync(tmp_path: Path, dataset: str) -> None:
+    """A stop request seen at step 1 (each group votes, the votes are averaged) stops every
+    semi-synchronous group at the next sync, step 3, with the same weights; group 0 records it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "stop-requested").write_text("enough")
+    semi = ["--fault_tolerance.semi_sync", "local_sgd", "--fault_tolerance.sync_every", "3"]
+    proc = _train(run, dataset, 8, *FT, *semi, env={DIGEST_ENV: "1"}, ngpu=2)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.stdout.count("stopped early at step 3 (stop requested)") == 2
+    assert json.loads((run / "stopped-early").read_text()) == {"step": 3, "reason": "enough"}
+    digests = _model_digests(proc.stdout)
+    assert len(digests) == 2 and len(set(digests.values())) == 1, digests
+
+
 def test_semi_sync_math_local_sgd_diloco_and_the_state_that_heals() -> None:
     """Two groups' weights drift apart; a sync gives both the average (local_sgd), or the last
     sync's weights moved by an outer SGD step on the average drift (diloco): at lr 1 without
@@ -254,15 +268,24 @@ def test_semi_sync_math_local_sgd_diloco_and_the_state_that_heals() -> None:
          "semi-sync-rollback", "multinode"],
 )  # fmt: skip
 def test_bad_fault_tolerance_input_is_one_line_before_anything_starts(
-    extra: list[str], expected: str, tmp_path: Path, dataset: str, assets: Path
+    extra: list[str],
+    expected: str,
+    tmp_path: Path,
+    dataset: str,
+    assets: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """``titan launch`` (in this process: its checks run before anything is started)."""
+    from titan_core.cli.launch import main
     from titan_core.data.assets import bundled_corpus_dir
 
     raw = str(bundled_corpus_dir() / "train")
     extra = [raw if e == "RAW" else e for e in extra]
-    argv = [sys.executable, "-m", "titan_core.cli", "launch", "--module", "llama3"]
-    argv += ["--config", "llama3_debugmodel_tiny", "--launch.nproc_per_node", "4"]
-    argv += ["--job.dump_folder", str(tmp_path / "run"), "--dataloader.dataset", dataset, *extra]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    assert expected in one_line(proc), proc.stderr
+    argv = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
+    argv += ["--launch.nproc_per_node", "4", "--job.dump_folder", str(tmp_path / "run")]
+    argv += ["--dataloader.dataset", dataset, *extra]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
     assert not (tmp_path / "run").exists()

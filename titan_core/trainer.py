@@ -168,6 +168,7 @@ class Trainer:
         self._committed = True  # the last step's update was applied (always, without ft)
         self._stop_vote: str | None = None  # replica groups: this group's stop request, if any
         self._stop_agreed = False  # replica groups: some group saw one at this step
+        self._stop_pending: str | None = None  # agreed on; semi-sync groups stop at a sync
         self._reopen_data = False  # a heal moved the data position: read on from there
         self.checkpointer.model_description = describe_model(cfg.model.name, self.model_args)
         if cfg.checkpoint.initial_load_in_hf:
@@ -524,11 +525,16 @@ class Trainer:
         self._stop_agreed = bool(loss[1] > 0)  # some group saw a stop request
         return loss[0]
 
-    def _agreed_stop(self) -> str | None:
-        """The stop request the replica groups agreed on at this step, if any."""
-        if not self._stop_agreed:
+    def _agreed_stop(self, step: int) -> str | None:
+        """The stop request the replica groups agreed on at this step, if any. Semi-synchronous
+        groups agree at the same step and stop at the next sync (weights averaged)."""
+        if self._stop_agreed and self._stop_pending is None:
+            vote = self._stop_vote
+            self._stop_pending = vote if vote is not None else "seen by another replica group"
+        if self.semi is not None and not self.semi.due(step, False):
             return None
-        return self._stop_vote if self._stop_vote is not None else "seen by another replica group"
+        reason, self._stop_pending = self._stop_pending, None
+        return reason
 
     def _record_replica_events(self) -> None:
         """The replica groups' events since the last call, into the health log (at the step
@@ -725,7 +731,7 @@ class Trainer:
                     if self.ft is None:
                         stop_reason = self.stop_requests.check() if asked else None
                     else:
-                        stop_reason = self._agreed_stop()
+                        stop_reason = self._agreed_stop(step)
                     final = last or stop_reason is not None
                     health, rolled_back = self._guard_point(step, final, data_iter)
                     if rolled_back is not None:  # on from the checkpoint's step
