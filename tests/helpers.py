@@ -76,3 +76,15 @@ def reproducible_env(**extra: str) -> dict[str, str]:
     """``process_env`` with MKL's reproducible mode: one process and several agree bit for bit
     on CPU (parity tests)."""
     return process_env(MKL_CBWR="AUTO,STRICT", **extra)
+
+
+def titan_in_process(argv: list[str], capsys: object) -> tuple[int, str, str]:
+    """``titan *argv`` in this process (its one error path included): (exit code, stdout,
+    stderr). For bad-input cases that fail before anything starts; each family keeps one case
+    in a real process."""
+    from titan_core.cli import main
+
+    capsys.readouterr()  # type: ignore[attr-defined]
+    code = main(argv)
+    captured = capsys.readouterr()  # type: ignore[attr-defined]
+    return code, captured.out, captured.err

@@ -14,11 +14,10 @@ import ast
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import titan_in_process
 from parallel_harness import (
     QWEN3_MOE_MODEL,
     LayoutRun,
@@ -122,7 +121,8 @@ def test_moe_ep2_parity_and_sharding(
 @pytest.mark.parametrize(
     "name, nproc, dp, extra, ep, efsdp, tp, applied",
     [
-        ("EP 4", 4, 4, [EP, "4"], 4, 1, 1, "Applied FSDP on mesh {'dp_shard': 4}"),
+        # EP equal to the data ranks (experts not FSDP-sharded further): test_moe_ep2_parity_and
+        # _sharding, and "EP 4 x CP 2" below.
         # 4 FSDP ranks, ep 2: each expert is FSDP-sharded over the other 2 (gradient divide
         # factor 4, as the dense layers').
         ("EP 2 x expert FSDP 2", 4, 4, [EP, "2"], 2, 2, 1, "Applied FSDP on mesh {'dp_shard': 4}"),
@@ -264,17 +264,17 @@ def test_moe_ep_full_ac_equals_no_ac(tmp_path: Path, moe_seed: Path, ep2_run: tu
     ids=["ep_not_dividing_experts", "ep_not_dividing_dp_shard_cp", "ep_without_moe", "compile"],
 )
 def test_bad_ep_is_one_line_before_launch(
-    tmp_path: Path, ngpu: int, argv: list[str], expected: str
+    tmp_path: Path,
+    ngpu: int,
+    argv: list[str],
+    expected: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """`titan train --ngpu N` refuses in one line, exit 2, before torchrun or any output."""
+    """`titan train --ngpu N` refuses in one line, exit 2, before torchrun or any output (in
+    this process: test_entrypoints runs the same error path in a real one)."""
     dump = tmp_path / "run"
-    dump_arg = ["--job.dump_folder", str(dump)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "titan_core.cli", "train", "--ngpu", str(ngpu), *argv, *dump_arg],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(expected), proc.stderr
-    assert "torchrun" not in proc.stdout + proc.stderr and not dump.exists()
+    argv = ["train", "--ngpu", str(ngpu), *argv, "--job.dump_folder", str(dump)]
+    code, out, err = titan_in_process(argv, capsys)
+    assert code == 2, out[-2000:] + err[-2000:]
+    assert err.count("\n") == 1 and err.startswith(expected), err
+    assert "torchrun" not in out + err and not dump.exists()

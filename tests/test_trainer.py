@@ -273,8 +273,12 @@ def test_gradient_accumulation_matches_bigger_batch(tmp_path: Path, assets: Path
     ],
 )
 def test_bad_input_one_line_nothing_written(
-    tmp_path: Path, assets: Path, bad: list[str], expected: str
+    tmp_path: Path, assets: Path, bad: list[str], expected: str, capsys: pytest.CaptureFixture
 ) -> None:
+    """The engine's entry point in this process (test_tp runs it as a process: the same one
+    line)."""
+    from titan_core.train import main
+
     broken = tmp_path / "broken.toml"
     broken.write_text("[training]\nsteps = = 3\n")
     empty = tmp_path / "empty.jsonl"
@@ -283,9 +287,11 @@ def test_bad_input_one_line_nothing_written(
         str(broken) if b == "BROKEN_TOML" else str(empty) if b == "EMPTY_JSONL" else b for b in bad
     ]
     dump = tmp_path / "out"
-    proc = _train_subprocess([*TINY, "--job.dump_folder", str(dump), *bad])
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
+    capsys.readouterr()
+    code = main([*TINY, "--job.dump_folder", str(dump), *bad])
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
     assert not dump.exists()
 
