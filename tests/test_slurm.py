@@ -214,6 +214,12 @@ def test_pipeline_trains_replica_groups_on_slurm(
     assert "Launching (slurm): #!/bin/bash" in logs
     assert "titan: 2 of 2 replica groups finished" in logs
     assert f"titan: Slurm job {job} ended COMPLETED" in logs
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=overrides["tracking.uri"])
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    metrics = {name for run in runs for name in run.data.metrics}
+    assert {"ft/live_groups", "ft/quorum_changes", "ft/heals"} <= metrics, sorted(metrics)
     assert re.search(r"\[rank0\]:.*step:\s+4\s", logs)  # rank 0's metrics, live in Prefect
     assert _job_state(cluster, job) == "COMPLETED"
 
