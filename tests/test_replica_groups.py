@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_core.data.reader import DUMP_ENV
 from titan_core.distributed.fault_tolerance import DIGEST_ENV, KILL_ENV, SLOW_ENV
 
 pytestmark = pytest.mark.multiprocess
@@ -92,10 +93,11 @@ def test_a_killed_group_heals_from_its_peer_and_rejoins(tmp_path: Path, dataset:
     """Group 1 is killed (SIGKILL, every rank) before step 5: group 0 steps on without
     restarting (its process ids unchanged), group 1's torchrun restarts it, it heals from group
     0 (no checkpoint exists to read: the interval is 100) and rejoins; at the end both groups'
-    weights and optimizer state are bitwise equal."""
+    weights and optimizer state are bitwise equal. The global batches drawn while it was
+    missing are skipped by its ranks, not read later."""
     # While group 1 is missing each step of group 0 takes 1 s more: it is back (a restart is
     # seconds) well before group 0 could finish alone, however loaded the machine.
-    env = {KILL_ENV: "1:5", SLOW_ENV: "1.0", DIGEST_ENV: "1"}
+    env = {KILL_ENV: "1:5", SLOW_ENV: "1.0", DIGEST_ENV: "1", DUMP_ENV: str(tmp_path / "read")}
     proc = _train(tmp_path / "run", dataset, 30, *FT, "--launch.max_restarts", "1", env=env)
     out = proc.stdout
     assert proc.returncode == 0, out[-5000:]
@@ -118,6 +120,17 @@ def test_a_killed_group_heals_from_its_peer_and_rejoins(tmp_path: Path, dataset:
     assert digests[("0", "1")] == digests[("1", "1")], digests
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert steps[-1] == 30 and sorted(set(steps)) == list(range(1, 31))
+    # The data: every global batch's start, by data-parallel rank (group g reads those of
+    # ranks 2g and 2g + 1). Group 0 read every global batch in order; group 1 read the same ones
+    # except those drawn while it was missing (from step 5's on): skipped, never read later.
+    rows = [json.loads(line) for f in (tmp_path / "read").glob("*.jsonl") for line in f.open()]
+    read = {d: sorted(r["start"] for r in rows if r["dp_rank"] == d) for d in range(4)}
+    assert read[0] == read[1] and read[2] == read[3], read
+    batch = read[0][1]
+    assert read[0] == list(range(0, batch * len(read[0]), batch)), read[0]
+    missed = sorted(set(read[0]) - set(read[2]))
+    assert set(read[2]) < set(read[0]) and missed[0] == 4 * batch, (read[2], missed)
+    assert missed == list(range(missed[0], missed[-1] + batch, batch))  # one gap, then in step
     # The health log of each group has what it went through: the quorum changes, the heal.
     for group, want in (("run", {"left", "joined"}), ("run/group-1", {"healed"})):
         rows = [json.loads(line) for line in (tmp_path / group / "health.jsonl").open()]
