@@ -46,7 +46,8 @@ def check_lighthouse(address: str, timeout_s: float = 3.0) -> None:
 
 
 class ReplicaGroupsLauncher:
-    """One torchrun agent per replica group on this host, and the lighthouse they share."""
+    """The replica groups of a job and the lighthouse they share: one torchrun agent per group
+    on this host (backend ``local``), or one job step per group of a Slurm job (``slurm``)."""
 
     def __init__(self, ft: FaultTolerance, groups: int, backend: str = "local") -> None:
         self.ft, self.groups, self.backend = ft, groups, backend
