@@ -13,7 +13,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from helpers import ADDED_KEYS
+from helpers import ADDED_KEYS, titan_in_process
 
 from titan_core.cli.config import config_main
 from titan_core.config.job import JobConfig, Slurm
@@ -473,12 +473,9 @@ def test_mix_weights_that_do_not_parse_are_one_line(
 ) -> None:
     """`titan train` (in this process) with a bad dataloader.mix: one line, exit 2, nothing
     written. test_subprocess_error_is_one_line_and_exit_2 runs the same path in a process."""
-    from titan_core.cli import main
-
     argv = ["train", "--job.dump_folder", str(tmp_path / "run"), "--dataloader.mix", *entries]
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
+    code, _, err = titan_in_process(argv, capsys)
+    assert code == 2
     assert err.count("\n") == 1 and err.startswith("error: "), err
     assert re.search(expected, err), err
     assert not (tmp_path / "run").exists()
