@@ -91,3 +91,22 @@ def prepare_corpus(url: str, tokenizer: Tokenizer, corpus: Path, max_files: int 
         fingerprint="corpus" + tokenizer.fingerprint[:10],
     )
     return url
+
+
+def cli_in_child(argv: list[str], log: str) -> None:
+    """The body of a forkserver child: ``titan *argv`` through the CLI's own entry point (its
+    Ctrl-C handling included), stdout and stderr to ``log``, its exit code the child's."""
+    import os
+    import signal
+    import sys
+
+    from titan_core.cli import main
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # the parent waits for it
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -12,7 +12,10 @@ import gzip
 import hashlib
 import json
 import lzma
+import multiprocessing
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -428,6 +431,119 @@ def test_an_interrupted_second_prepare_keeps_what_the_first_committed(
     }
     verify_shards(first.url, read_manifest(first.url), checksum=True)
     assert prepare(spec, workers=1).cached
+
+
+def _race_rounds(
+    src: Path, out: Path, tok_path: str, base: Path | None, rounds: int, seed: int
+) -> list[int]:
+    """Rounds of two concurrent ``titan data prepare`` runs of ``src`` into ``out`` (from a copy
+    of the prepared dataset ``base`` when given: an increment), the first one interrupted with
+    Ctrl-C at a time spread over the whole run (planning, tokenizing, committing), the second
+    one started at a varied time before that. After each round the surviving run has exited 0
+    and printed a dataset that verifies byte for byte, holds every unit, and no debris of the
+    interrupted run is left. Returns the interrupted run's exit code of each round."""
+    import random
+    import time
+
+    from prepared_helpers import cli_in_child
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["prepared_helpers", "titan_core.cli", "titan_core.cli.data"])
+    argv = ["data", "prepare", str(src), "--out", str(out), "--tokenizer", tok_path]
+    argv += ["--workers", "1"]
+    logs = out.parent / "logs"
+    logs.mkdir(exist_ok=True)
+
+    def reset() -> None:
+        shutil.rmtree(out, ignore_errors=True)
+        if base is not None:
+            shutil.copytree(base, out)
+
+    def start(name: str, wait: bool = True) -> Any:
+        """A child running the CLI, returned once it is in the CLI (its log exists)."""
+        log = logs / name
+        log.unlink(missing_ok=True)
+        child = ctx.Process(target=cli_in_child, args=(argv, str(log)))
+        child.start()
+        deadline = time.monotonic() + 60
+        while wait and not log.exists() and child.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return child
+
+    reset()
+    alone = start("alone")
+    alone.join()
+    assert alone.exitcode == 0, (logs / "alone").read_text()
+    url = (logs / "alone").read_text().strip().splitlines()[-1]
+    expected = {(s.name, s.sha256_tokens, s.sha256_docs) for s in read_manifest(url).shards}
+    rng = random.Random(seed)
+    base_files = len(read_manifest(str(base / Path(url).name)).files) if base else 0
+    units = len(read_manifest(url).files) - base_files
+
+    def after_units(child: Any, name: str, done: int) -> None:
+        """Return once ``child`` has tokenized ``done`` units (or ended), by its log."""
+        deadline = time.monotonic() + 120
+        while child.is_alive() and time.monotonic() < deadline:
+            if done == 0 or (logs / name).read_text().count(" units (last: ") >= done:
+                return
+            time.sleep(0.002)
+
+    codes = []
+    for i in range(rounds):
+        reset()
+        # Spread over the run whatever the load: the interrupted run ("first") gets Ctrl-C
+        # after k of its units (0: while planning; all: while committing) plus a jitter. The
+        # other run starts up to 50 ms before it (odd rounds: then its shards are on disk when
+        # the interrupted one cleans up) or after it.
+        k = min(units, i * (units + 1) // rounds + rng.randrange(max(1, (units + 1) // rounds)))
+        lead = rng.uniform(0, 0.05)
+        if i % 2:
+            second = start("second", wait=False)
+            time.sleep(lead)
+            first = start("first")
+        else:
+            first = start("first")
+            time.sleep(lead)
+            second = start("second", wait=False)
+        after_units(first, "first", k)
+        time.sleep(rng.uniform(0, 0.05))
+        if first.is_alive():
+            os.kill(first.pid, signal.SIGINT)
+        first.join()
+        second.join()
+        log = (logs / "second").read_text()
+        assert second.exitcode == 0, f"round {i}: {log}"
+        assert first.exitcode in (0, 130), (logs / "first").read_text()
+        assert log.strip().splitlines()[-1] == url
+        manifest = read_manifest(url)
+        verify_shards(url, manifest, checksum=True)
+        shards = {(s.name, s.sha256_tokens, s.sha256_docs) for s in manifest.shards}
+        assert shards == expected, f"round {i}: {len(shards)} shards of {len(expected)}"
+        debris = [p.name for p in Path(url).rglob("*") if p.name.startswith(".staging-")]
+        debris += [p.name for p in Path(url).rglob("*.tmp")]
+        assert debris == [], f"round {i}: {debris}"
+        codes.append(first.exitcode)
+    return codes
+
+
+def test_two_prepares_of_one_dataset_one_interrupted_keep_it_whole(
+    tmp_path: Path, tok_path: str
+) -> None:
+    """Two ``titan data prepare`` runs of one source at once, one of them interrupted with
+    Ctrl-C at varied times, many rounds over; then the same with an increment. A prepare only
+    ever removes what it wrote itself (its staging folder), so the survivor's dataset is whole."""
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [topics[k] for k in sorted(topics)]
+    for i in range(4):  # units of ~0.1 s: time for the other run to start and interrupts to land
+        _jsonl(src / f"{i}.jsonl", texts[i::8] * 2)
+    base = tmp_path / "base"  # the increment's base: the first 4 files, prepared
+    prepare(_spec(base, tok_path, src), workers=1)
+    for i in range(4, 8):
+        _jsonl(src / f"{i}.jsonl", texts[i::8] * 2)
+    codes = _race_rounds(src, tmp_path / "fresh", tok_path, None, rounds=6, seed=1)
+    codes += _race_rounds(src, tmp_path / "grown", tok_path, base, rounds=6, seed=2)
+    assert codes.count(130) >= len(codes) // 2, codes  # most rounds did interrupt a prepare
 
 
 def test_lost_shards_are_prepared_again_not_called_cached(

@@ -361,14 +361,9 @@ def run(main: Main, argv: list[str] | None = None) -> int:
     a relaunch would fail the same way; Ctrl-C one line and 130; ``--help`` (tyro's
     ``SystemExit(0)``) returns 0. Anything else is a bug and keeps its traceback.
     """
-    from titan_core.launch.failures import LaunchError
-
     try:
         return main(list(sys.argv[1:] if argv is None else argv))
     except TitanError as e:
-        _print_error(e)
-        return e.exit_code
-    except LaunchError as e:
         _print_error(e)
         return e.exit_code
     except KeyboardInterrupt:
@@ -378,6 +373,15 @@ def run(main: Main, argv: list[str] | None = None) -> int:
         if e.code in (0, None):
             return 0
         raise
+    except Exception as e:
+        # Only launch code raises a LaunchError, and it has imported the module then: looked up
+        # rather than imported, so that commands that launch nothing never import torch here
+        # (and a Ctrl-C during that import would be a traceback).
+        failures = sys.modules.get("titan_core.launch.failures")
+        if failures is None or not isinstance(e, failures.LaunchError):
+            raise
+        _print_error(e)
+        return e.exit_code
 
 
 def _print_error(e: BaseException) -> None:

@@ -82,14 +82,18 @@ VERIFY = Command(
 
 
 def _prepare(argv: list[str]) -> int:
+    from titan_core.config.job import JobConfig
     from titan_core.data.prepare import prepare, spec_from_config
-    from titan_core.resolve import parse_args
 
     parsed: Parsed[PrepareOptions] = PREPARE.parse(argv)
     ns, given = parsed.options, parsed.given
     if ns.workers < 0:
         raise ConfigError(f"--workers: expected >= 0, got {ns.workers}")
-    cfg = parse_args(parsed.config.argv())  # no config arguments: the defaults
+    cfg = JobConfig()  # no config arguments: the defaults, without importing the engine (torch)
+    if config_argv := parsed.config.argv():
+        from titan_core.resolve import parse_args
+
+        cfg = parse_args(config_argv)
     if not ns.sources and not cfg.data.sources:
         raise ConfigError("titan data prepare: no sources (give SOURCE ... or --data.sources)")
     options = {

@@ -98,12 +98,14 @@ class SplitBuilder:
             self._chunks.append(np.concatenate(self._pending).astype(self.dtype, copy=False))
             self._pending, self._pending_tokens = [], 0
 
-    def write(self, url: str, *, name: str, split: str, unit: str, source: str) -> ShardInfo:
-        """Write the shard ``name`` under the dataset ``url``; its manifest entry."""
+    def write(
+        self, url: str, *, name: str, split: str, unit: str, source: str, folder: str
+    ) -> ShardInfo:
+        """Write the shard ``name`` into ``folder`` of the dataset ``url``; its manifest entry."""
         self._flush()
         tokens = np.concatenate(self._chunks) if self._chunks else np.empty(0, self.dtype)
         doc_ends = np.cumsum(np.asarray(self.lengths, dtype=np.int64))
-        sha_tokens, sha_docs = write_shard(url, name, tokens, doc_ends)
+        sha_tokens, sha_docs = write_shard(url, name, tokens, doc_ends, folder=folder)
         return ShardInfo(
             name=name,
             split=split,

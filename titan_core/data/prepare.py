@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import functools
 import hashlib
 import json
 import multiprocessing
 import os
+import posixpath
+import shutil
 import threading
 import time
 from collections import Counter
@@ -51,6 +54,8 @@ from titan_core.data.shards import (
     manifest_url,
     read_manifest,
     remove_orphan_temps,
+    shard_urls,
+    staging_folder,
     token_dtype,
     tokenizer_info,
     write_manifest,
@@ -134,11 +139,18 @@ class Plan:
     """Units of the sources already prepared (skipped)."""
     gone: list[SourceFile] = field(default_factory=list)
     """Files in the manifest no longer in the sources (their shards are kept)."""
+    root_existed: bool = True
+    """Whether the (local) data root was there before this prepare (else a failure removes it
+    again when it is empty)."""
+    staging: str = field(default_factory=staging_folder)
+    """This prepare's own folder in the dataset, where its units write their shards until
+    ``commit_prepare`` moves them under ``shards/``: what a failed prepare removes."""
 
     def unit_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``tokenize_unit`` for this plan's units."""
         return {
             "url": self.url,
+            "staging": self.staging,
             "tokenizer_path": self.spec.tokenizer_path,
             "text_field": self.spec.text_field,
             "validation_every": self.spec.validation_every,
@@ -276,6 +288,7 @@ def plan_prepare(spec: PrepareSpec) -> Plan:
         exists=exists,
         reused_units=len(listed) - len(todo),
         gone=gone,
+        root_existed="://" in spec.root or os.path.isdir(spec.root),
     )
 
 
@@ -362,13 +375,15 @@ def tokenize_unit(
     unit: Unit,
     *,
     url: str,
+    staging: str,
     tokenizer_path: str,
     text_field: str,
     validation_every: int,
     fingerprint: str,
     num_threads: int = 1,
 ) -> list[ShardInfo]:
-    """Tokenize one unit into ``<unit>-train`` and ``<unit>-validation`` shards under ``url``.
+    """Tokenize one unit into ``<unit>-train`` and ``<unit>-validation`` shards in the plan's
+    ``staging`` folder of the dataset ``url`` (``commit_prepare`` publishes them).
 
     ``fingerprint`` is the tokenizer fingerprint the plan recorded (``Plan.unit_kwargs()``);
     every document is ``Tokenizer.encode(text, bos=True, eos=True)``; document i goes to
@@ -400,7 +415,7 @@ def tokenize_unit(
     with storage_errors(url):
         return [
             builder.write(url, name=f"{unit.file.unit}-{split}", split=split,
-                          unit=unit.file.unit, source=unit.file.url)
+                          unit=unit.file.unit, source=unit.file.url, folder=staging)
             for split, builder in splits.items()
             if builder.lengths
         ]  # fmt: skip
@@ -409,28 +424,159 @@ def tokenize_unit(
 # --------------------------------------------------------------------------- commit
 
 
+@contextlib.contextmanager
+def dataset_lock(plan: Plan) -> Iterator[None]:
+    """Serialise what prepares of one data root do to its files (create a staging folder,
+    publish shards and the manifest, remove debris; never tokenizing): an exclusive ``flock``
+    on the local data root folder, held for milliseconds. Object stores have no such lock: a
+    prepare there only ever removes its staging folder (docs/data.md)."""
+    root = plan.spec.root
+    if "://" in root:
+        yield
+        return
+    while True:
+        with storage_errors(root):
+            os.makedirs(root, exist_ok=True)
+            try:
+                fd = os.open(root, os.O_RDONLY)
+            except FileNotFoundError:  # removed meanwhile by a failed prepare that made it
+                continue
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(root).st_ino == os.fstat(fd).st_ino:
+                break  # locked the folder that is there now, not one removed while we waited
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: a forked worker's copy must not hold it
+        os.close(fd)
+
+
 def commit_prepare(plan: Plan, results: Sequence[list[ShardInfo]]) -> Manifest:
-    """Append the planned units (``results[i]`` = shards of ``plan.todo[i]``) to the manifest
-    and write it. Writes nothing when there was nothing to do and the manifest exists."""
+    """Publish the planned units (``results[i]`` = shards of ``plan.todo[i]``, written to the
+    plan's staging folder): move their files under ``shards/``, append them to the manifest and
+    write it. Writes nothing when there was nothing to do and the manifest exists.
+
+    Another prepare of the same dataset may have committed since the plan: the manifest is
+    built on the one on storage, and a unit it holds already keeps its files (ours, the same
+    bytes, go with the staging folder). If writing the manifest fails, the files this commit
+    moved under ``shards/`` for units the manifest does not list are removed again."""
     if len(results) != len(plan.todo):
         raise ValueError(f"commit_prepare: {len(results)} results for {len(plan.todo)} units")
     if not plan.todo and plan.exists:
         return plan.manifest
+    with dataset_lock(plan):
+        for _ in range(_COMMIT_ATTEMPTS):
+            published: list[tuple[str, str]] = []  # (unit, file) moved under shards/ for new units
+            try:
+                manifest, changed = _publish(plan, results, published)
+                if changed:
+                    with storage_errors(plan.url):
+                        write_manifest(plan.url, manifest)
+                if _committed(plan, manifest):
+                    break
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    _unpublish(plan, published)
+                raise
+            # An object store has no lock: another prepare replaced the manifest with one built
+            # on an older copy. Our files are published: build on its manifest once more.
+            logger.warning("data: %s: the manifest changed while committing; again", plan.url)
+        else:
+            raise DataError(
+                f"{manifest_url(plan.url)}: replaced by other prepares {_COMMIT_ATTEMPTS} times "
+                "while committing; run prepare again"
+            )
+        _remove_staging(plan)
+    return manifest
+
+
+_COMMIT_ATTEMPTS = 5
+
+
+def _publish(
+    plan: Plan, results: Sequence[list[ShardInfo]], published: list[tuple[str, str]]
+) -> tuple[Manifest, bool]:
+    """The manifest on storage with the plan's units added, their staged files moved under
+    ``shards/`` (``published`` collects those of new units as they move); whether it changed."""
     tokenizer = plan.manifest.tokenizer["fingerprint"]
-    # Another prepare of the same dataset may have committed since the plan: build on its
-    # manifest (its shards have the same bytes as ours for the units both did).
     current = _read_existing(plan.url, plan.manifest.fingerprint, tokenizer)
     manifest = copy.deepcopy(current if current is not None else plan.manifest)
+    damaged = damaged_units(plan.url, manifest) if current is not None else {}
     known = {f.unit for f in manifest.files}
+    fs, _ = fsspec.core.url_to_fs(plan.url)
+    changed = current is None
     for unit, shards in zip(plan.todo, results, strict=True):
-        if unit.file.unit in known:
-            continue
-        assert all(s.unit == unit.file.unit for s in shards), (unit, shards)
-        manifest.files.append(unit.file)
-        manifest.shards.extend(shards)
-    with storage_errors(plan.url):
-        write_manifest(plan.url, manifest)
-    return manifest
+        unit_id = unit.file.unit
+        if unit_id in known and unit_id not in damaged:
+            continue  # committed meanwhile by another prepare: its files stay, ours are copies
+        assert all(s.unit == unit_id for s in shards), (unit, shards)
+        for shard in shards:
+            for staged, final in zip(_staged_urls(plan, shard), shard_urls(plan.url, shard)):
+                with storage_errors(plan.url):
+                    _move(fs, staged, final)
+                if unit_id not in known:
+                    published.append((unit_id, final))
+        if unit_id in known:  # repaired: the same names and bytes as the entries it had
+            by_name = {s.name: s for s in shards}
+            manifest.shards = [by_name.get(s.name, s) if s.unit == unit_id else s
+                               for s in manifest.shards]  # fmt: skip
+        else:
+            manifest.files.append(unit.file)
+            manifest.shards.extend(shards)
+        changed = True
+    return manifest, changed
+
+
+def _committed(plan: Plan, written: Manifest) -> bool:
+    """Whether the manifest on storage lists every unit ``written`` does (locally, under the
+    lock, it is ``written`` itself)."""
+    if "://" not in plan.url:
+        return True
+    current = read_manifest(plan.url)
+    return {f.unit for f in written.files} <= {f.unit for f in current.files}
+
+
+def _unpublish(plan: Plan, published: list[tuple[str, str]]) -> None:
+    """After a failed commit (under the lock): remove the files it moved under ``shards/`` for
+    units that the manifest on storage does not list. Local folders only: on an object store
+    another prepare may be committing the same unit's files right now, so they stay (a later
+    prepare of the unit writes the same bytes under the same names)."""
+    if "://" in plan.url or not published:
+        return
+    listed: set[str] = set()
+    with contextlib.suppress(FileNotFoundError, DataError):
+        listed = {f.unit for f in read_manifest(plan.url).files}
+    for unit_id, path in published:
+        if unit_id not in listed:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+
+def _staged_urls(plan: Plan, shard: ShardInfo) -> tuple[str, str]:
+    base = f"{plan.url.rstrip('/')}/{plan.staging}/{shard.name}"
+    return f"{base}.tokens", f"{base}.docs"
+
+
+def _move(fs: Any, src: str, dst: str) -> None:
+    if "://" not in src:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        os.replace(src, dst)  # atomic: a reader sees the whole file or none
+    else:
+        fs.mv(src, dst)  # a server-side copy, then the staged object goes
+
+
+def _remove_staging(plan: Plan) -> None:
+    """Remove the plan's staging folder (what is left in it are copies or debris)."""
+    path = f"{plan.url.rstrip('/')}/{plan.staging}"
+    if "://" not in path:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    fs, inner = fsspec.core.url_to_fs(path)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(inner, recursive=True)
 
 
 # --------------------------------------------------------------------------- prepare
@@ -440,31 +586,20 @@ MapFn = Callable[[Callable[[Unit], list[ShardInfo]], Sequence[Unit]], Iterable[l
 
 @contextlib.contextmanager
 def discard_on_failure(plan: Plan) -> Iterator[None]:
-    """Remove the shard files of ``plan``'s units when tokenizing or committing fails: units
-    that finished before another failed must not leave files the manifest does not list (a new
-    dataset's folder goes too when nothing else is in it)."""
+    """When tokenizing or committing ``plan``'s units fails (or is interrupted): remove its
+    staging folder, what this prepare alone wrote, and nothing else (a new dataset's folder
+    goes too when nothing else is in it)."""
     try:
         yield
     except BaseException:
-        with contextlib.suppress(Exception):  # the failure itself is what the user must see
-            fs, root = fsspec.core.url_to_fs(plan.url)
-            # Another prepare of this dataset may have committed these units meanwhile: their
-            # files (the same names, the same bytes) are its data now, not this attempt's debris.
-            tokenizer = plan.manifest.tokenizer["fingerprint"]
-            current = _read_existing(plan.url, plan.manifest.fingerprint, tokenizer)
-            committed = {f.unit for f in current.files} if current is not None else set()
-            for unit in plan.todo:
-                if unit.file.unit in committed:
-                    continue
-                for split in SPLITS:
-                    for suffix in (".tokens", ".docs"):
-                        path = f"{root}/{SHARD_DIR}/{unit.file.unit}-{split}{suffix}"
-                        if fs.exists(path):
-                            fs.rm(path)
-            if not plan.exists:
-                for folder in (f"{root}/{SHARD_DIR}", root):
-                    if fs.isdir(folder) and not fs.ls(folder):
-                        fs.rmdir(folder)
+        with contextlib.suppress(Exception), dataset_lock(plan):
+            # The failure itself is what the user must see.
+            _remove_staging(plan)
+            if not plan.exists and "://" not in plan.url:
+                folders = [posixpath.join(plan.url, SHARD_DIR), plan.url]
+                for folder in folders + ([] if plan.root_existed else [plan.spec.root]):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(folder)  # only when empty: another prepare may be at work
         raise
 
 
@@ -489,8 +624,12 @@ def prepare(
     plan = plan_prepare(spec)
     if on_plan is not None:
         on_plan(plan)
-    if removed := remove_orphan_temps(plan.url):
-        logger.info("data: removed %d temp file(s) of killed prepares", len(removed))
+    with dataset_lock(plan):
+        if removed := remove_orphan_temps(plan.url):
+            logger.info("data: removed %d temp file(s) of killed prepares", len(removed))
+        if plan.todo and "://" not in plan.url:  # made now, under the lock: see discard
+            with storage_errors(plan.url):
+                os.makedirs(posixpath.join(plan.url, plan.staging), exist_ok=True)
     if not plan.todo:
         return PrepareResult(
             url=plan.url,

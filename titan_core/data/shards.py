@@ -5,13 +5,15 @@ A prepared dataset is a folder (any fsspec URL)::
     manifest.json                 what is here: format, tokenizer, sources, shards, split rule
     shards/<name>.tokens          one flat little-endian array of token ids (manifest ``dtype``)
     shards/<name>.docs            little-endian int64 end offset (in tokens) of each document
+    .staging-<host>-<pid>-<id>/   a prepare at work: its shards until it commits (then gone)
 
 Each unit of work (one source file, or one shard of a Hugging Face dataset) writes one ``train``
 and, when the split rule holds documents out, one ``validation`` shard. Shards are immutable once
 written: an increment appends new shards to the manifest and never rewrites old bytes. A split's
 token stream is the concatenation of its shards in manifest order; every document is
 ``[bos] + tokens + [eos]``. The manifest is replaced atomically (written whole, then renamed on
-local disks; S3 puts are atomic per object).
+local disks; S3 puts are atomic per object). A file under ``shards/`` is only ever created by a
+commit (``titan_core.data.prepare``), so that no prepare deletes what another one committed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import hashlib
 import json
 import os
 import posixpath
+import shutil
+import socket
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,6 +41,7 @@ MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
 DOC_DTYPE = np.dtype("<i8")
 SPLITS = ("train", "validation")
+STAGING_PREFIX = ".staging-"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -182,10 +188,17 @@ def write_manifest(dataset_url: str, manifest: Manifest) -> str:
 
 
 def write_shard(
-    dataset_url: str, name: str, tokens: np.ndarray, doc_ends: np.ndarray
+    dataset_url: str,
+    name: str,
+    tokens: np.ndarray,
+    doc_ends: np.ndarray,
+    *,
+    folder: str = SHARD_DIR,
 ) -> tuple[str, str]:
-    """Write one shard's two files (atomically each); return their sha256 hex digests."""
-    tokens_url, docs_url = shard_urls(os.path.expanduser(dataset_url), _stub(name))
+    """Write one shard's two files (atomically each) into ``folder`` of the dataset (a prepare
+    writes into its own staging folder, see ``staging_folder``); their sha256 hex digests."""
+    base = _join(os.path.expanduser(dataset_url), folder, name)
+    tokens_url, docs_url = f"{base}.tokens", f"{base}.docs"
     token_bytes = np.ascontiguousarray(tokens).tobytes()
     doc_bytes = np.ascontiguousarray(doc_ends, dtype=DOC_DTYPE).tobytes()
     _write_bytes_atomic(tokens_url, token_bytes)
@@ -250,21 +263,37 @@ def damaged_units(dataset_url: str, manifest: Manifest) -> dict[str, str]:
     return damaged
 
 
+def staging_folder() -> str:
+    """A new staging folder name for one prepare: ``.staging-<host>-<pid>-<nonce>``. A prepare
+    writes its shards there and moves them under ``shards/`` only when it commits, so a failed
+    or interrupted prepare removes its own folder and never a file another prepare wrote."""
+    host = socket.gethostname().replace("/", "_") or "host"
+    return f"{STAGING_PREFIX}{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 def remove_orphan_temps(dataset_url: str) -> list[str]:
-    """Remove the temp files of shard writers that died on this host (``kill -9`` gives them
-    no chance to clean up): ``<shard>.<pid>.tmp`` whose process is gone. Local folders only
-    (an object store has no temp files); returns what was removed."""
+    """Remove what prepares that died on this host left (``kill -9`` gives them no chance to
+    clean up): their staging folders, and ``<shard>.<pid>.tmp`` files, whose process is gone.
+    Local folders only (an object store's debris is named by host and pid too, but another
+    host's processes cannot be asked); returns what was removed."""
     fs, root = fsspec.core.url_to_fs(os.path.expanduser(dataset_url))
     if "file" not in fs.protocol:
         return []
-    folder = posixpath.join(root.rstrip("/"), SHARD_DIR)
+    root = root.rstrip("/")
     removed = []
-    for path in fs.glob(posixpath.join(folder, "*.tmp")):
+    for path in fs.glob(posixpath.join(root, SHARD_DIR, "*.tmp")):
         pid = posixpath.basename(path).rsplit(".", 2)[-2]
         if pid.isdigit() and not _alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
                 removed.append(path)
+    host = socket.gethostname().replace("/", "_") or "host"
+    for path in fs.glob(posixpath.join(root, f"{STAGING_PREFIX}*")):
+        writer_host, _, rest = posixpath.basename(path)[len(STAGING_PREFIX) :].rpartition("-")
+        writer_host, _, pid = writer_host.rpartition("-")
+        if writer_host == host and pid.isdigit() and rest and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
     return removed
 
 
@@ -298,11 +327,6 @@ def check_tokenizer(manifest: Manifest, where: str, fingerprint: str) -> None:
             f"is {fingerprint[:12]}, from {manifest.tokenizer.get('path', '?')}); prepare it "
             "with this job's tokenizer"
         )
-
-
-def _stub(name: str) -> ShardInfo:
-    return ShardInfo(name=name, split="", unit="", source="", num_docs=0, num_tokens=0,
-                     sha256_tokens="", sha256_docs="")  # fmt: skip
 
 
 def _join(base: str, *parts: str) -> str:
