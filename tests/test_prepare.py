@@ -49,7 +49,7 @@ from titan_core.data.shards import (
 )
 from titan_core.data.sources import HFSource
 from titan_core.data.tokenizer import Tokenizer, train_bpe
-from titan_core.errors import DataError
+from titan_core.errors import DataError, StorageError
 
 # Documents with what tokenizers trip on: special-token text, non-ASCII, inner newlines, spaces.
 DOCS = [
@@ -735,7 +735,7 @@ def test_prepare_from_and_to_s3(
         prepare(spec, workers=1)
     assert "\n" not in str(err.value)
     s3_server.set_env(monkeypatch, read_only=True)
-    with pytest.raises(DataError, match="access denied"):
+    with pytest.raises(StorageError, match=rf"s3://{prefix}/data-ro/.*: access denied"):
         prepare(_spec(f"s3://{prefix}/data-ro", tok_path, f"s3://{prefix}/src"), workers=2)
     fs.invalidate_cache()
     assert not fs.find(f"{prefix}/data-ro")

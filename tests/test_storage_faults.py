@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from storage_faults import Disk, cut, one_line, titan
+from helpers import titan_in_process
+from storage_faults import Disk, cut, flip, one_line, titan
 
 from titan_core import storage
-from titan_core.errors import ConfigError, DataError, storage_errors
+from titan_core.checkpoint.dcp_io import dcp_reader
+from titan_core.errors import ConfigError, StorageError
 
 TINY = ["--module", "llama3", "--config", "llama3_debugmodel_tiny", "--training.steps", "2"]
 
@@ -68,12 +70,12 @@ def test_the_write_check_leaves_no_folders(tmp_path: Path) -> None:
 
 def test_a_full_disk_says_so_and_leaves_no_temp_file(small_disk: Path) -> None:
     target = small_disk / "config.toml"
-    with pytest.raises(DataError) as info, storage_errors(str(target), DataError):
-        storage.write_text_atomic(str(target), "x" * (1 << 20))
+    with pytest.raises(StorageError) as info:
+        storage.write_text(str(target), "x" * (1 << 20))
     assert str(info.value) == f"{target}: no space left on device"
     assert list(small_disk.iterdir()) == []  # neither the file nor its temp
     name = f"{uuid.uuid4().hex}.txt"
-    storage.write_text_atomic(str(small_disk / name), "fits")  # the disk still works
+    storage.write_text(str(small_disk / name), "fits")  # the disk still works
     assert (small_disk / name).read_text() == "fits"
 
 
@@ -113,9 +115,11 @@ def _losses(dump: Path) -> dict[int, float]:
         (lambda step: (step / ".titan_complete").write_text("{not json"), "commit marker does not"),
         (lambda step: cut(step / "__0_0.distcp"), "(truncated)"),
         (lambda step: (step / "__0_0.distcp").unlink(), "data file missing"),
-        (lambda step: cut(step / ".metadata"), ".metadata is not DCP metadata"),
+        (lambda step: cut(step / ".metadata"), "/.metadata: "),  # its size against the marker
+        # Changed bytes at the start of the data file: once "optimizer....lr is not a tensor".
+        (lambda step: flip(step / "__0_0.distcp", 0), "__0_0.distcp: checksum mismatch"),
     ],
-    ids=["marker", "truncated-data", "missing-data", "truncated-metadata"],
+    ids=["marker", "truncated-data", "missing-data", "truncated-metadata", "changed-data"],
 )
 def test_resume_passes_over_a_damaged_newest_step(
     harm: Any, says: str, trained: Path, tmp_path: Path
@@ -152,6 +156,29 @@ def test_resume_passes_over_a_damaged_newest_step(
     assert resumed == {s: reference[s] for s in range(13, 17)}  # step 12's state, bitwise
 
 
+def test_eval_and_convert_refuse_changed_bytes_naming_the_file(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bytes changed in the middle of a step's data file (a model tensor: DCP alone would load
+    it) or of its .metadata: eval and convert refuse the step, naming the file."""
+    for case, name in enumerate(("__0_0.distcp", ".metadata")):
+        step = _copy(trained, tmp_path / str(case) / "run") / "checkpoint" / "step-8"
+        offset = (step / name).stat().st_size // 2
+        if name != ".metadata":
+            items = dcp_reader(str(step)).read_metadata().storage_data.items()
+            info = next(v for k, v in items if k.fqn == "model.output.weight")
+            offset = info.offset + info.length // 2
+        flip(step / name, offset)
+        says = f"{step}/{name}: checksum mismatch ("
+        for argv in (
+            ["eval", "--checkpoint", str(step)],
+            ["convert", "dcp-to-hf", "--checkpoint", str(step), "--output", str(tmp_path / "hf")],
+        ):
+            code, _, err = titan_in_process(argv, capsys)
+            assert code == 2 and err.count("\n") == 1 and says in err, (argv, err)
+        assert not (tmp_path / "hf").exists()
+
+
 def test_eval_refuses_a_truncated_model_file_naming_it(trained: Path, tmp_path: Path) -> None:
     step = _copy(trained, tmp_path / "run") / "checkpoint" / "step-4"
     for data in step.glob("*.distcp"):  # into the model's tensors (half may cut optimizer only)
@@ -180,7 +207,7 @@ def test_prepare_on_a_full_disk_says_so_and_leaves_no_file(
     spec = PrepareSpec(
         sources=(source,), tokenizer_path=str(default_tokenizer_path()), root=str(small_disk)
     )
-    with pytest.raises(DataError, match=r": no space left on device$"):
+    with pytest.raises(StorageError, match=rf"^{small_disk}/.*: no space left on device$"):
         prepare(spec, workers=1)
     assert [p for p in small_disk.rglob("*") if p.is_file()] == []  # no shard, no .tmp
 

@@ -26,6 +26,11 @@ class CheckpointError(TitanError):
     """Missing, incomplete or incompatible checkpoint."""
 
 
+class StorageError(TitanError):
+    """A file could not be written: a full disk, a read-only folder, denied access. The message
+    names the file; exit code 2, as for bad input: a relaunch would fail the same way."""
+
+
 class CommError(TitanError):
     """A collective failed or timed out (a dead or stuck peer): worth a relaunch."""
 

@@ -52,7 +52,7 @@ def request_stop(dump_folder: str, reason: str = "") -> str:
     """Ask the job writing into ``dump_folder`` to stop at its next log step; returns the
     request's path. ``reason`` (one line) is the request's content, for people."""
     path = storage.join(dump_folder, STOP_REQUEST)
-    storage.write_text_atomic(path, (reason or DEFAULT_REASON) + "\n")
+    storage.write_text(path, (reason or DEFAULT_REASON) + "\n")
     return path
 
 
@@ -70,7 +70,7 @@ def record_stop(dump_folder: str, step: int, reason: str) -> None:
     """Consume the request: write the ``stopped-early`` record (``step``, ``reason``), then
     delete ``stop-requested``."""
     record = json.dumps({"step": step, "reason": reason})
-    storage.write_text_atomic(storage.join(dump_folder, STOPPED_EARLY), record + "\n")
+    storage.write_text(storage.join(dump_folder, STOPPED_EARLY), record + "\n")
     discard_stop_request(dump_folder)
 
 

@@ -7,10 +7,14 @@ writers on top of it are in ``titan_core.checkpoint.dcp_io``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import io
 import os
 import posixpath
+import tempfile
 import uuid
 from collections.abc import Iterator
+from typing import IO, Any
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -64,28 +68,212 @@ def read_text(path: str) -> str:
         return f.read()
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Write a small text file so readers never see it half-written.
+# --------------------------------------------------------------------------- the one writer
+# Every file titan writes goes through the functions below (tests/test_writers.py holds that):
+# a file appears whole or not at all, a failure removes what the attempt made (the temp file,
+# the folders it needed), and a full disk, a read-only folder or denied access is one
+# ``StorageError`` line naming the file (exit code 2), never a traceback.
 
-    Locally that is write-to-temp + rename; object stores publish a PUT atomically anyway.
-    """
-    fs, p = filesystem(path)
+
+def writing_errors(path: str) -> contextlib.AbstractContextManager[None]:
+    """Storage failures while writing ``path`` as one ``StorageError`` line naming it."""
+    from titan_core.errors import StorageError, storage_errors
+
+    return storage_errors(path, StorageError)
+
+
+@contextlib.contextmanager
+def open_write(path: str, mode: str = "w") -> Iterator[IO[Any]]:
+    """The file ``path`` (``"w"`` text, ``"wb"`` bytes), written whole: into a temp file beside
+    it that replaces it when the body is done (a URL: a buffer, one PUT), so that readers never
+    see half a file. Missing folders are made; a failure (a full disk, an exception in the body,
+    Ctrl-C) removes the temp file and the folders made for it."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"open_write: mode {mode!r}, expected 'w' or 'wb'")
     if is_url(path):
-        with fs.open(p, "w") as f:
-            f.write(text)
+        buffer: IO[Any] = io.StringIO() if mode == "w" else io.BytesIO()
+        yield buffer
+        data = buffer.getvalue()
+        with writing_errors(path):
+            fs, p = filesystem(path)
+            fs.pipe_file(p, data.encode() if isinstance(data, str) else data)
         return
-    fs.makedirs(os.path.dirname(p) or ".", exist_ok=True)
-    tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:  # a full disk, a kill: no half-written temp file stays behind
+    encoding = {"encoding": "utf-8"} if mode == "w" else {}
+    with output_path(path) as tmp, open(tmp, mode, **encoding) as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_text(path: str, text: str) -> None:
+    """Write a text file whole (``open_write``)."""
+    with open_write(path) as f:
+        f.write(text)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write a binary file whole (``open_write``)."""
+    with open_write(path, "wb") as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def output_path(path: str, *, raw_errors: bool = False) -> Iterator[str]:
+    """A local temp path for a library that writes a file by name (matplotlib, the profiler,
+    safetensors): it becomes ``path`` (renamed; a URL: uploaded) when the body is done. On a
+    failure the temp file and the folders made for it are removed, and a storage error, in the
+    body too, is one ``StorageError`` line naming ``path`` (``raw_errors``: passed through as
+    they are, for a caller that retries the transient ones)."""
+    errors = contextlib.nullcontext() if raw_errors else writing_errors(path)
+    with errors:
+        local = path.removeprefix("file://")
+        if is_url(path):
+            suffix = posixpath.splitext(path)[1]
+            with tempfile.TemporaryDirectory(prefix="titan-out-") as folder:
+                tmp = os.path.join(folder, f"out{suffix}")
+                yield tmp
+                fs, p = filesystem(path)
+                fs.put_file(tmp, p)
+            return
+        made = make_folders(os.path.dirname(os.path.abspath(local)))
+        tmp = temp_name(local)
+        try:
+            yield tmp
+            os.replace(tmp, local)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            remove_empty_folders(made)
+            raise
+
+
+def temp_name(path: str) -> str:
+    """The temp file a writer of ``path`` uses: ``<path>.<pid>-<id>.tmp`` (``temp_owner`` reads
+    the pid back, to tell a dead writer's temp file from a live one's)."""
+    return f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+
+
+def temp_owner(name: str) -> int | None:
+    """The pid of the writer of a ``temp_name``; None for any other name."""
+    stem, dot, ext = name.rpartition(".")
+    pid = stem.rpartition(".")[2].partition("-")[0]
+    return int(pid) if dot and ext == "tmp" and pid.isdigit() else None
+
+
+def missing_folders(folder: str) -> list[str]:
+    """The local ``folder`` and those of its parents that do not exist, outermost first."""
+    missing = []
+    current = os.path.abspath(folder)
+    while not os.path.isdir(current) and os.path.dirname(current) != current:
+        missing.append(current)
+        current = os.path.dirname(current)
+    return missing[::-1]
+
+
+def make_folders(folder: str) -> list[str]:
+    """``os.makedirs(folder)``; the folders it made, outermost first (for
+    ``remove_empty_folders`` after a failure)."""
+    missing = missing_folders(folder)
+    os.makedirs(folder, exist_ok=True)
+    return missing
+
+
+def remove_empty_folders(folders: list[str]) -> None:
+    """Remove ``folders`` (outermost first, as ``make_folders`` returns them), innermost first,
+    each only while it is empty."""
+    for folder in reversed(folders):
         with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+            os.rmdir(folder)
+
+
+def copy_file(src: str, dst: str, callback: Any = None) -> None:
+    """Copy the file ``src`` to ``dst`` (each a path or URL; one of them local): a local ``dst``
+    through ``output_path`` (whole, or not at all), a URL by one upload. Storage errors pass
+    through as they are, for a caller that retries the transient ones."""
+    if is_url(dst):
+        fs, p = filesystem(dst)
+        fs.put_file(src.removeprefix("file://"), p, callback=callback)
+        return
+    fs, p = filesystem(src)
+    with output_path(dst, raw_errors=True) as tmp:
+        fs.get_file(p, tmp, callback=callback)
+
+
+class LineLog:
+    """A local file that grows by whole lines (``metrics.jsonl``, ``health.jsonl``): each
+    ``write`` lands whole or not at all. A failed write (a full disk) cuts the file back to where
+    it began, removes the file and folders this log made if they are still empty, closes it,
+    and raises one ``StorageError`` line naming the file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path.removeprefix("file://")
+        self._fd: int | None = None
+        self._made: list[str] = []
+        self._created = False
+
+    def write(self, text: str) -> None:
+        """Append ``text`` (one or more lines)."""
+        if not text:
+            return
+        with writing_errors(self.path):
+            if self._fd is None:
+                self._open()
+            assert self._fd is not None
+            end = os.lseek(self._fd, 0, os.SEEK_END)
+            try:
+                data = memoryview(text.encode())
+                while data:
+                    data = data[os.write(self._fd, data) :]
+            except BaseException:
+                self._undo(end)
+                raise
+
+    def _open(self) -> None:
+        self._made = make_folders(os.path.dirname(os.path.abspath(self.path)))
+        self._created = not os.path.exists(self.path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _undo(self, end: int) -> None:
+        fd, self._fd = self._fd, None
+        assert fd is not None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, end)
+        os.close(fd)
+        if self._created and end == 0:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+            remove_empty_folders(self._made)
+
+    def close(self) -> None:
+        """Close the file (a later ``write`` opens it again)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str) -> Iterator[None]:
+    """An exclusive ``flock`` on the local ``folder`` (made if missing), for the few steps that
+    must not interleave between processes (several prepares of one data root, a build of the
+    bundled assets). A folder removed and made again while we waited is locked anew."""
+    while True:
+        with writing_errors(folder):
+            os.makedirs(folder, exist_ok=True)
+            try:
+                fd = os.open(folder, os.O_RDONLY)
+            except FileNotFoundError:  # removed meanwhile by a process that made it
+                continue
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(folder).st_ino == os.fstat(fd).st_ino:
+                break  # locked the folder that is there now
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: a forked child's copy must not keep it
+        os.close(fd)
 
 
 def check_writable(path: str, key: str) -> None:

@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 import psutil
 import torch
 
+from titan_core import storage
 from titan_core.config.job import Metrics as MetricsConfig
 from titan_core.logging import logger
 
@@ -88,19 +89,19 @@ def _moe_text(metrics: dict[str, float]) -> str:
 
 
 class JsonlSink:
-    """Appends ``{"step": N, ...metrics}`` lines to a local file (read by tests and tools)."""
+    """Appends ``{"step": N, ...metrics}`` lines to a local file (read by tests and tools); a
+    full disk is one ``StorageError`` line naming it, and no half line stays."""
 
     def __init__(self, path: str) -> None:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the sink
+        self._log = storage.LineLog(path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Write one JSON line."""
-        self._f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._log.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def close(self) -> None:
         """Close the file."""
-        self._f.close()
+        self._log.close()
 
 
 class TensorBoardSink:
@@ -109,16 +110,22 @@ class TensorBoardSink:
     def __init__(self, log_dir: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir, max_queue=1000)
+        # TensorBoard writes its event files itself (a thread of its own): its storage errors
+        # are turned into the one line here, as the writer reports them.
+        self.log_dir = log_dir
+        with storage.writing_errors(log_dir):
+            self._writer = SummaryWriter(log_dir, max_queue=1000)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Add each metric as a scalar."""
-        for key, value in metrics.items():
-            self._writer.add_scalar(key, value, step)
+        with storage.writing_errors(self.log_dir):
+            for key, value in metrics.items():
+                self._writer.add_scalar(key, value, step)
 
     def close(self) -> None:
         """Flush and close the writer."""
-        self._writer.close()
+        with storage.writing_errors(self.log_dir):
+            self._writer.close()
 
 
 class MemoryMonitor:

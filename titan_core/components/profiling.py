@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import resource
+import shutil
 import time
 from collections.abc import Iterator
 
@@ -19,10 +20,25 @@ import psutil
 import torch
 from torch import nn
 
+from titan_core import storage
 from titan_core.config.job import Profiling as ProfilingConfig
+from titan_core.errors import StorageError
 from titan_core.logging import logger
 
 _MAX_SNAPSHOT_ENTRIES = 100_000
+
+
+def _check_trace(tmp: str, path: str) -> None:
+    """Kineto's trace writer (C++) ignores a failed write (a full disk): what it wrote must be
+    a whole JSON document, else the trace is refused in one line rather than kept cut short."""
+    size = os.path.getsize(tmp)
+    with open(tmp, "rb") as f:
+        f.seek(max(size - 64, 0))
+        whole = f.read().rstrip().endswith((b"}", b"]"))
+    if not whole:
+        free = shutil.disk_usage(os.path.dirname(tmp)).free
+        why = "no space left on device" if free < (1 << 20) else f"cut short ({size} bytes)"
+        raise StorageError(f"{path}: {why}")
 
 
 @contextlib.contextmanager
@@ -35,12 +51,23 @@ def maybe_enable_profiling(
         yield None
         return
     trace_dir = os.path.join(dump_folder, cfg.save_traces_folder)
+    failed: list[StorageError] = []
 
     def on_trace_ready(prof: torch.profiler.profile) -> None:
+        # An error raised in here leaves the profiler half-way (a crash when it stops): it is
+        # kept, and raised by the next step() once the profiler is done with the callback.
+        if failed:
+            return
         out = os.path.join(trace_dir, f"iteration_{prof.step_num}")
-        os.makedirs(out, exist_ok=True)
         start = time.perf_counter()
-        prof.export_chrome_trace(os.path.join(out, f"rank{rank}_trace.json"))
+        path = os.path.join(out, f"rank{rank}_trace.json")
+        try:
+            with storage.output_path(path) as tmp:
+                prof.export_chrome_trace(tmp)
+                _check_trace(tmp, path)
+        except StorageError as e:
+            failed.append(e)
+            return
         logger.info("Profiler trace written to %s in %.2fs", out, time.perf_counter() - start)
 
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -56,7 +83,25 @@ def maybe_enable_profiling(
     ) as prof:
         # Align the profiler's step counter with training steps so folder names match.
         prof.step_num = start_step
-        yield prof
+        yield _Profiler(prof, failed)
+    if failed:
+        raise failed[0]
+
+
+class _Profiler:
+    """``torch.profiler.profile`` whose ``step()`` raises a trace that could not be written."""
+
+    def __init__(self, prof: torch.profiler.profile, failed: list[StorageError]) -> None:
+        self._prof, self._failed = prof, failed
+
+    def step(self) -> None:
+        """Advance the profiler's schedule (exporting a trace when one is due)."""
+        self._prof.step()
+        if self._failed:
+            raise self._failed[0]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._prof, name)
 
 
 class MemoryProfiler:
@@ -92,15 +137,12 @@ class MemoryProfiler:
         if not exit_ and step % self.cfg.profile_freq:
             return
         out = os.path.join(self.folder, f"iteration_{step}" + ("_exit" if exit_ else ""))
-        os.makedirs(out, exist_ok=True)
-        if self.cuda:
+        if self.cuda:  # the format of torch's memory viz (written, never read back here)
             path = os.path.join(out, f"rank{self.rank}_memory_snapshot.pickle")
-            with open(path, "wb") as f:
-                pickle.dump(torch.cuda.memory._snapshot(), f)
+            storage.write_bytes(path, pickle.dumps(torch.cuda.memory._snapshot()))
         else:
             path = os.path.join(out, f"rank{self.rank}_memory_report.json")
-            with open(path, "w") as f:
-                json.dump(self.cpu_report(step), f, indent=2)
+            storage.write_text(path, json.dumps(self.cpu_report(step), indent=2))
         logger.info("Memory snapshot written to %s", path)
 
     def cpu_report(self, step: int) -> dict[str, object]:

@@ -277,9 +277,7 @@ def hf_config(model_args: Any, dtype: str, tok: Tokenizer | None, model_name: st
 
 
 def _write_json(path: str, content: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(content, f, indent=2)
-        f.write("\n")
+    storage.write_text(path, json.dumps(content, indent=2) + "\n")
 
 
 def _write_metadata_files(

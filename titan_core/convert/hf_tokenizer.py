@@ -18,6 +18,7 @@ from typing import Any
 
 import fsspec
 
+from titan_core import storage
 from titan_core.data.tokenizer import (
     SPECIAL_TOKENS,
     Tokenizer,
@@ -125,14 +126,14 @@ def export_hf_tokenizer(tokenizer_path: str, out_dir: str, *, model_max_length: 
     hf = build_tokenizer_json(ranks)
     ids = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS}
     assert ids == tok.special_tokens, "special token ids differ between HF and tiktoken"
-    hf.save(os.path.join(out_dir, "tokenizer.json"))
+    with storage.output_path(os.path.join(out_dir, "tokenizer.json")) as tmp:
+        hf.save(tmp)
     specials = {"bos_token": _BOS, "eos_token": _EOS, "pad_token": _PAD}
     files = {
         "tokenizer_config.json": tokenizer_config(tok, model_max_length),
         "special_tokens_map.json": specials,
     }
     for name, content in files.items():
-        with open(os.path.join(out_dir, name), "w") as f:
-            json.dump(content, f, indent=2, ensure_ascii=False)
-            f.write("\n")
+        text = json.dumps(content, indent=2, ensure_ascii=False) + "\n"
+        storage.write_text(os.path.join(out_dir, name), text)
     return tok

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import fcntl
 import hashlib
 import json
 import logging
@@ -24,9 +23,10 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
+from titan_core import storage
 from titan_core.data.tokenizer import Tokenizer, train_bpe
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ def _has_setuptools() -> bool:
 
 def _write_jsonl(path: Path, docs: list[str]) -> dict[str, object]:
     data = "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs).encode()
-    path.write_bytes(data)
+    storage.write_bytes(str(path), data)
     return {"docs": len(docs), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -251,7 +251,7 @@ def _build(root: Path) -> dict[str, object]:
     corpus = root / "corpus"
     manifest: dict[str, object] = {"build_version": BUILD_VERSION, "seed": SEED, "sources": stats}
     manifest |= _split_and_write(sources, corpus)
-    (corpus / "SOURCES.md").write_text(_sources_md(stats))
+    storage.write_text(str(corpus / "SOURCES.md"), _sources_md(stats))
     tok_path = train_bpe(_read_split(corpus, "train"), TOKENIZER_VOCAB_SIZE, root / TOKENIZER_FILE)
     tokenizer = Tokenizer(tok_path)
     manifest["tokenizer"] = {
@@ -264,7 +264,7 @@ def _build(root: Path) -> dict[str, object]:
         tokens = tokenizer.model.encode_ordinary_batch(list(_read_split(corpus, split)))
         manifest[split]["tokens"] = sum(map(len, tokens))  # type: ignore[index]
     manifest["build_seconds"] = round(time.perf_counter() - started, 2)
-    (corpus / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    storage.write_text(str(corpus / "manifest.json"), json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
@@ -275,16 +275,9 @@ def _is_complete(root: Path) -> bool:
         return False
 
 
-@contextmanager
-def _build_lock(root: Path) -> Iterator[None]:
+def _build_lock(root: Path) -> AbstractContextManager[None]:
     # Several ranks or test workers may call ensure_assets at once: one builds, others wait.
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{root.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    return storage.folder_lock(str(root.parent))
 
 
 def ensure_assets(dir: Path | None = None, force: bool = False) -> Path:
@@ -298,7 +291,9 @@ def ensure_assets(dir: Path | None = None, force: bool = False) -> Path:
         tmp = root.parent / f".{root.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             manifest = _build(tmp)
-            (tmp / "DONE").write_text(json.dumps({"build_version": BUILD_VERSION}) + "\n")
+            storage.write_text(
+                str(tmp / "DONE"), json.dumps({"build_version": BUILD_VERSION}) + "\n"
+            )
             if root.exists():  # forced or incomplete: move aside first so the swap is a rename
                 old = root.parent / f".{root.name}.old-{uuid.uuid4().hex[:8]}"
                 root.rename(old)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fcntl
 import functools
 import hashlib
 import json
@@ -40,6 +39,7 @@ from typing import Any
 
 import fsspec
 
+from titan_core import storage
 from titan_core.data.encode import SplitBuilder, cached_tokenizer, encode_documents
 from titan_core.data.shards import (
     FORMAT,
@@ -430,28 +430,11 @@ def dataset_lock(plan: Plan) -> Iterator[None]:
     publish shards and the manifest, remove debris; never tokenizing): an exclusive ``flock``
     on the local data root folder, held for milliseconds. Object stores have no such lock: a
     prepare there only ever removes its staging folder (docs/data.md)."""
-    root = plan.spec.root
-    if "://" in root:
+    if "://" in plan.spec.root:
         yield
         return
-    while True:
-        with storage_errors(root):
-            os.makedirs(root, exist_ok=True)
-            try:
-                fd = os.open(root, os.O_RDONLY)
-            except FileNotFoundError:  # removed meanwhile by a failed prepare that made it
-                continue
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(root).st_ino == os.fstat(fd).st_ino:
-                break  # locked the folder that is there now, not one removed while we waited
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-    try:
+    with storage.folder_lock(plan.spec.root):
         yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: a forked worker's copy must not hold it
-        os.close(fd)
 
 
 def commit_prepare(plan: Plan, results: Sequence[list[ShardInfo]]) -> Manifest:

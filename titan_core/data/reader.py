@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titan_core import storage
 from titan_core.config.job import Dataloader, parse_mix, parse_ranges
 from titan_core.data.sampling import (
     Cursor,
@@ -91,6 +92,7 @@ class PreparedDataloader(Stateful):
         self._cursors = self._fresh()
         self._orders: dict[tuple[int, int, int], Permutation | Identity] = {}
         self._dump = os.environ.get(DUMP_ENV, "")
+        self._dump_log: storage.LineLog | None = None
         if not infinite and readers[0].num_samples() < self.global_batch:
             raise DataError(
                 f"{readers[0].url}: the {readers[0].split} split holds "
@@ -223,11 +225,11 @@ class PreparedDataloader(Stateful):
         return inputs, labels, torch.from_numpy(doc_ids)
 
     def _dump_batch(self, tensors: Batch, start: int) -> None:
-        os.makedirs(self._dump, exist_ok=True)
+        if self._dump_log is None:
+            path = os.path.join(self._dump, f"rank{os.environ.get('RANK', '0')}.jsonl")
+            self._dump_log = storage.LineLog(path)
         row = {"dp_rank": self.dp_rank, "start": start, "inputs": tensors[0].tolist()}
-        path = os.path.join(self._dump, f"rank{os.environ.get('RANK', '0')}.jsonl")
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        self._dump_log.write(json.dumps(row) + "\n")
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from titan_core import errors
+from titan_core import errors, storage
 from titan_core.errors import DataError
 
 FORMAT = "titan-tokens"
@@ -183,7 +183,7 @@ def read_manifest(dataset_url: str) -> Manifest:
 def write_manifest(dataset_url: str, manifest: Manifest) -> str:
     """Replace the manifest at ``dataset_url`` whole (temp file + rename on local disks)."""
     url = manifest_url(os.path.expanduser(dataset_url))
-    _write_bytes_atomic(url, manifest.to_json().encode())
+    storage.write_bytes(url, manifest.to_json().encode())
     return url
 
 
@@ -201,8 +201,8 @@ def write_shard(
     tokens_url, docs_url = f"{base}.tokens", f"{base}.docs"
     token_bytes = np.ascontiguousarray(tokens).tobytes()
     doc_bytes = np.ascontiguousarray(doc_ends, dtype=DOC_DTYPE).tobytes()
-    _write_bytes_atomic(tokens_url, token_bytes)
-    _write_bytes_atomic(docs_url, doc_bytes)
+    storage.write_bytes(tokens_url, token_bytes)
+    storage.write_bytes(docs_url, doc_bytes)
     return hashlib.sha256(token_bytes).hexdigest(), hashlib.sha256(doc_bytes).hexdigest()
 
 
@@ -273,7 +273,8 @@ def staging_folder() -> str:
 
 def remove_orphan_temps(dataset_url: str) -> list[str]:
     """Remove what prepares that died on this host left (``kill -9`` gives them no chance to
-    clean up): their staging folders, and ``<shard>.<pid>.tmp`` files, whose process is gone.
+    clean up): their staging folders, and temp files (``storage.temp_name``), whose process is
+    gone.
     Local folders only (an object store's debris is named by host and pid too, but another
     host's processes cannot be asked); returns what was removed."""
     fs, root = fsspec.core.url_to_fs(os.path.expanduser(dataset_url))
@@ -282,8 +283,8 @@ def remove_orphan_temps(dataset_url: str) -> list[str]:
     root = root.rstrip("/")
     removed = []
     for path in fs.glob(posixpath.join(root, SHARD_DIR, "*.tmp")):
-        pid = posixpath.basename(path).rsplit(".", 2)[-2]
-        if pid.isdigit() and not _alive(int(pid)):
+        pid = storage.temp_owner(posixpath.basename(path))
+        if pid is not None and not _alive(pid):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
                 removed.append(path)
@@ -339,22 +340,3 @@ def _sha256(fs: Any, path: str) -> str:
         while chunk := f.read(8 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _write_bytes_atomic(url: str, data: bytes) -> None:
-    fs, path = fsspec.core.url_to_fs(url)
-    parent = posixpath.dirname(path)
-    if fs.protocol in ("file", ("file", "local")) or "file" in fs.protocol:
-        os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:  # a full disk, an interrupt: no partial temp file stays behind
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
-        return
-    fs.makedirs(parent, exist_ok=True)
-    fs.pipe_file(path, data)  # one PUT: an object store has no partial objects

@@ -6,13 +6,13 @@ import base64
 import binascii
 import hashlib
 import os
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import fsspec
 import tiktoken
 
+from titan_core import storage
 from titan_core.errors import DataError
 
 # Llama 3's pre-tokenizer regex: training (HF tokenizers) and encoding (tiktoken) must split alike.
@@ -188,9 +188,4 @@ def hf_vocab_to_ranks(vocab: dict[str, int]) -> dict[bytes, int]:
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    parent = os.path.dirname(path) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    storage.write_bytes(path, data)

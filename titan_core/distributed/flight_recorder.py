@@ -23,6 +23,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from titan_core import storage
 from titan_core.errors import CommError, TitanError
 from titan_core.logging import logger
 
@@ -68,18 +69,14 @@ def dump_trace(side_folder: str) -> str | None:
     if not _recording():
         return None
     rank = dist.get_rank()
-    folder = trace_folder(side_folder)
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{TRACE_PREFIX}{rank}")
+    path = os.path.join(trace_folder(side_folder), f"{TRACE_PREFIX}{rank}")
     dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
     # gloo leaves its groups' names out of pg_config (one '' key), which torch's analyzer
     # (fr_trace) needs to match entries to groups: fill it in from this process's view.
     named = {k: v for k, v in dump.get("pg_config", {}).items() if k}
     dump["pg_config"] = {**named, **_pg_config()}
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump(dump, f)
-    os.replace(tmp, path)  # the analyzer never sees a half-written dump
+    # torch's analyzer (fr_trace) reads this pickle format; titan never loads it back.
+    storage.write_bytes(path, pickle.dumps(dump))  # never seen half-written
     return path
 
 

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    Path(ns.out).write_text(json.dumps(result, indent=2))
+    storage.write_text(ns.out, json.dumps(result, indent=2))
     return 0
 
 

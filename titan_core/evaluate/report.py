@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from titan_core import storage
 from titan_core.config.job import JobConfig
-from titan_core.errors import DataError, storage_errors
+from titan_core.errors import DataError, StorageError, storage_errors
 
 if TYPE_CHECKING:
     from titan_core.evaluate.generate import Sample
@@ -138,16 +138,16 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def write_report(output: str, report: dict[str, Any]) -> tuple[str, str]:
     """Write ``<output>/eval/report.json`` and ``report.md``; returns their paths. A storage
-    failure (a full disk) is one ``DataError`` line naming the file, and neither is left."""
+    failure (a full disk) is one ``StorageError`` line naming the file, and neither is left."""
     json_path = storage.join(output, EVAL_DIR, "report.json")
     md_path = storage.join(output, EVAL_DIR, "report.md")
     with storage.folders_kept_on_success(storage.join(output, EVAL_DIR)):
         with storage_errors(json_path, DataError):
-            storage.write_text_atomic(json_path, json.dumps(report, indent=2) + "\n")
+            storage.write_text(json_path, json.dumps(report, indent=2) + "\n")
         try:
             with storage_errors(md_path, DataError):
-                storage.write_text_atomic(md_path, render_markdown(report))
-        except DataError:
+                storage.write_text(md_path, render_markdown(report))
+        except (DataError, StorageError):  # the storage seam raises StorageError itself
             with contextlib.suppress(OSError):  # the pair, or neither
                 fs, path = storage.filesystem(json_path)
                 fs.rm_file(path)

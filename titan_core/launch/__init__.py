@@ -14,11 +14,16 @@ environment) and ``supervise`` (running and stopping agent processes).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import time
 from collections.abc import Callable
+from typing import Any
 
+from titan_core import storage
 from titan_core.config.job import JobConfig, Launch
 from titan_core.errors import ConfigError
-from titan_core.launch.failures import LaunchError, describe_failure
+from titan_core.launch.failures import USER_ERROR_EXIT, LaunchError, describe_failure
 from titan_core.launch.spec import Launcher, LaunchResult, LaunchSpec, LineCallback, train_spec
 
 _BACKENDS: dict[str, Callable[[], Launcher]] = {}
@@ -43,9 +48,40 @@ def get_launcher(launch: Launch) -> Launcher:
 def job_launcher(cfg: JobConfig) -> Launcher:
     """The launcher of a whole job: its replica groups under ``fault_tolerance.enable``
     (``replica_groups``), else its ``launch.backend``'s."""
+    from titan_core.build import local_side_folder
+    from titan_core.distributed.flight_recorder import trace_folder
     from titan_core.launch.replica_groups import launcher_for
 
-    return launcher_for(cfg) or get_launcher(cfg.launch)
+    launcher = launcher_for(cfg) or get_launcher(cfg.launch)
+    return _TracesOfRejectedInput(launcher, trace_folder(local_side_folder(cfg.job.dump_folder)))
+
+
+class _TracesOfRejectedInput:
+    """A job's launcher that tidies up after a job whose ranks rejected their input (exit code
+    2: a full disk under one rank's writer, say): torchrun then stops the other ranks with
+    SIGTERM, and each writes its flight-recorder trace on the way out. Those traces show no
+    hang, only that they were stopped, so the ones this launch wrote are removed (and their
+    folder, if this launch made it)."""
+
+    def __init__(self, inner: Launcher, traces: str) -> None:
+        self.inner, self.traces = inner, traces
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def run(self, spec: LaunchSpec, on_line: LineCallback) -> LaunchResult:
+        """The inner launcher's ``run``; the traces of a rejected input removed."""
+        made, start = storage.missing_folders(self.traces), time.time()
+        try:
+            return self.inner.run(spec, on_line)
+        except LaunchError as e:
+            if e.exit_code == USER_ERROR_EXIT:
+                with contextlib.suppress(OSError):
+                    for entry in os.scandir(self.traces):
+                        if entry.is_file() and entry.stat().st_mtime >= start - 1:
+                            os.remove(entry.path)
+                storage.remove_empty_folders(made)  # the folders the traces made, if empty now
+            raise
 
 
 def _register_builtin() -> None:

@@ -13,10 +13,11 @@ import argparse
 import contextlib
 import os
 import signal
-import tempfile
 import threading
 import urllib.parse
 from typing import Any
+
+from titan_core import storage
 
 
 def serve(
@@ -56,11 +57,7 @@ def serve(
 
 
 def _write_atomically(path: str, text: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".lighthouse-", dir=folder)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    storage.write_text(path, text)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from titan_core import storage
 from titan_core.errors import ConfigError
 from titan_core.pipeline.run.common import public_url
 from titan_core.pipeline.run.report import markdown_image, markdown_table, mlflow_image
@@ -315,7 +316,8 @@ def plot_loss_curves(runs: list[RunSummary], path: str, title: str) -> str:
         if any(r.loss_curve for r in runs):
             ax.legend(fontsize="small")
         fig.tight_layout()
-        fig.savefig(path, format="png")
+        with storage.output_path(path) as tmp:
+            fig.savefig(tmp, format="png")
     finally:
         plt.close(fig)
     return path
@@ -384,10 +386,10 @@ def _log_comparison(
         logged = dataclasses.replace(result, compare_run_id=record.info.run_id, plot_uri=plot_uri)
         folder = os.path.dirname(png)
         image = mlflow_image("loss curves", record.info.run_id, PLOT_NAME, result.tracking_uri)
-        with open(os.path.join(folder, "comparison.md"), "w") as f:  # images as MLflow shows them
-            f.write(render_markdown(result.experiment, runs, result.differing_params, image))
-        with open(os.path.join(folder, "comparison.json"), "w") as f:
-            json.dump({k: v for k, v in logged.to_dict().items() if k != "markdown"}, f, indent=2)
+        markdown = render_markdown(result.experiment, runs, result.differing_params, image)
+        storage.write_text(os.path.join(folder, "comparison.md"), markdown)  # as MLflow shows it
+        document = {k: v for k, v in logged.to_dict().items() if k != "markdown"}
+        storage.write_text(os.path.join(folder, "comparison.json"), json.dumps(document, indent=2))
         for name in (PLOT_NAME, "comparison.md", "comparison.json"):
             client.log_artifact(record.info.run_id, os.path.join(folder, name))
         client.set_terminated(record.info.run_id, "FINISHED")

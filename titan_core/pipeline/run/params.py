@@ -28,4 +28,4 @@ def record_seed(config_url: str, seed_url: str) -> None:
     table = tomllib.loads(storage.read_text(config_url))
     if table["checkpoint"].get("initial_load_path") != seed_url:
         table["checkpoint"]["initial_load_path"] = seed_url
-        storage.write_text_atomic(config_url, tomli_w.dumps(table))
+        storage.write_text(config_url, tomli_w.dumps(table))

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from titan_core import storage
-from titan_core.errors import TitanError
+from titan_core.errors import StorageError
 from titan_core.pipeline.run.common import Logger, register_secret, titan_logger
 
 T = TypeVar("T")
@@ -29,10 +28,6 @@ _BLOCK_KEYS = {
     "endpoint_url": "AWS_ENDPOINT_URL",
     "region_name": "AWS_DEFAULT_REGION",
 }
-
-
-class StorageError(TitanError):
-    """Storage that cannot be reached, read or written: one line naming the URL and why."""
 
 
 def configure_credentials(block: str, load_secret: SecretLoader) -> None:
@@ -90,12 +85,8 @@ def check_storage(url: str, key: str = "job.dump_folder") -> None:
     probe = storage.join(url, f".titan-probe-{uuid.uuid4().hex[:8]}")
     try:
         fs, path = storage.filesystem(probe)
-        if not storage.is_url(probe):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        with fs.open(path, "w") as f:
-            f.write("probe")
-        with fs.open(path, "r") as f:
-            ok = f.read() == "probe"
+        storage.write_text(probe, "probe")
+        ok = storage.read_text(probe) == "probe"
         fs.rm(path)
     except Exception as e:
         raise describe_error(url, e, key) from None
@@ -189,18 +180,15 @@ def upload_folder(
     files = list(_local_files(local_dir)) if os.path.isdir(local_dir) else []
     if not files:
         return []
-    fs, base = storage.filesystem(url)
     bar = _Bar(sum(os.path.getsize(f) for f, _ in files), f"upload {url}", progress)
     uploaded = []
     try:
         for full, rel in files:
-            target = posixpath.join(base, rel) if storage.is_url(url) else os.path.join(base, rel)
-            if not storage.is_url(url):
-                os.makedirs(os.path.dirname(target), exist_ok=True)
+            target = storage.join(url, rel)
 
             def put(full: str = full, target: str = target) -> None:
                 """Upload one file (retried as a whole)."""
-                fs.put_file(full, target, callback=bar.callback())
+                storage.copy_file(full, target, callback=bar.callback())
 
             with_retries(put, f"upload of {rel} to {url}", attempts, logger)
             uploaded.append(storage.join(url, rel))
@@ -222,12 +210,11 @@ def download_file(
     """Copy one file from ``url`` to ``local_path`` (retried, retries logged to ``logger``, with
     a progress bar)."""
     fs, path = storage.filesystem(url)
-    os.makedirs(os.path.dirname(local_path) or ".", exist_ok=True)
     size = with_retries(lambda: fs.size(path), f"stat of {url}", attempts, logger) or 0
     bar = _Bar(size, f"download {url}", progress)
     try:
         with_retries(
-            lambda: fs.get_file(path, local_path, callback=bar.callback()),
+            lambda: storage.copy_file(url, local_path, callback=bar.callback()),
             f"download of {url}",
             attempts,
             logger,

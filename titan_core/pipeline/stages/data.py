@@ -200,7 +200,7 @@ def record_dataset(run_root: str, prepared: PreparedData) -> None:
     from titan_core import storage
 
     text = json.dumps(dataclasses.asdict(prepared), indent=1) + "\n"
-    storage.write_text_atomic(storage.join(run_root, DATASET_RECORD), text)
+    storage.write_text(storage.join(run_root, DATASET_RECORD), text)
 
 
 def dataset_grew(run_root: str, prepared: PreparedData) -> bool:

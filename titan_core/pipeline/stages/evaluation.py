@@ -50,9 +50,8 @@ def log_report(tracking: TrackingContext | None, run_id: str, report_dir: str) -
         return
     with tempfile.TemporaryDirectory(prefix="titan-eval-") as tmp:
         for name in ("report.json", "report.md"):
-            local = os.path.join(tmp, name)
-            with open(local, "w") as f:
-                f.write(redact(storage.read_text(storage.join(report_dir, name))))
+            text = redact(storage.read_text(storage.join(report_dir, name)))
+            storage.write_text(os.path.join(tmp, name), text)
         client(tracking.uri).log_artifacts(run_id, tmp, "eval")
 
 

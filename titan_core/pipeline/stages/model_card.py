@@ -230,5 +230,5 @@ def export_facts(
 def write_model_card(hf_url: str, facts: ExportFacts) -> str:
     """Write ``README.md`` into the export folder (a path or URL); returns its URL."""
     url = storage.join(hf_url, CARD)
-    storage.write_text_atomic(url, redact(model_card(facts)))
+    storage.write_text(url, redact(model_card(facts)))
     return url

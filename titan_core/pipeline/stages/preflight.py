@@ -142,7 +142,7 @@ def run_preflight(job: JobConfig, config_url: str, logger: Logger | None = None)
         from titan_core.data import ensure_assets
 
         ensure_assets()  # the bundled corpus, on a fresh machine too (seconds, then cached)
-    storage.write_text_atomic(config_url, to_toml(cfg))
+    storage.write_text(config_url, to_toml(cfg))
     return Preflight(
         config_url=config_url,
         world_size=world_size,

@@ -196,8 +196,7 @@ def log_run_files(tracking: TrackingContext, pub: Publication) -> None:
         if pub.model_card and storage.exists(pub.model_card):  # the export's README.md
             files["model_card.md"] = storage.read_text(pub.model_card)
         for name, text in files.items():
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(redact(text))
+            storage.write_text(os.path.join(tmp, name), redact(text))
         mlflow_client = client(tracking.uri)
         mlflow_client.log_artifacts(tracking.parent_run_id, tmp, "run")
     # The run's description in MLflow's UI (markdown): what it trained, where it is, how it did.

@@ -162,8 +162,7 @@ def store_tokenizer(
         tokenizer = Tokenizer(local)  # a DataError now if it is no tiktoken ranks file
         name = os.path.basename(local)
         staging = os.path.join(workdir, "upload")
-        os.makedirs(staging)
-        with open(local, "rb") as src, open(os.path.join(staging, name), "wb") as dst:
-            dst.write(src.read())
+        with open(local, "rb") as src:
+            storage.write_bytes(os.path.join(staging, name), src.read())
         upload_folder(staging, dest, attempts=attempts, progress=progress, logger=logger)
     return StoredTokenizer(url=storage.join(dest, name), n_words=tokenizer.n_words)

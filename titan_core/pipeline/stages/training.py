@@ -177,8 +177,7 @@ def record_train_run(
         }
         for name, source in sources.items():
             if storage.exists(source):
-                with open(os.path.join(tmp, name), "w") as f:
-                    f.write(redact(storage.read_text(source)))
+                storage.write_text(os.path.join(tmp, name), redact(storage.read_text(source)))
         mlflow_client.log_artifacts(stage_run_id, tmp, "train")
     copy_curves(tracking, stage_run_id, CURVES)
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_core import storage
 from titan_core.pipeline.run.report import markdown_table
 from titan_core.pipeline.sweep.plan import format_value, short_keys
 
@@ -133,7 +134,8 @@ def plot_metric_by_key(rows: Sequence[TrialRow], key: str, metric: str, path: st
         ax.set_title(f"{metric} by {key}")
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(path, format="png")
+        with storage.output_path(path) as tmp:
+            fig.savefig(tmp, format="png")
     finally:
         plt.close(fig)
     return path

@@ -16,6 +16,7 @@ import re
 import tempfile
 from typing import Any
 
+from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.pipeline.compare import (
     LOSS_KEY,
@@ -221,10 +222,8 @@ def write_report(
         "model_name": plan.model_name,
         "trials": [r.as_dict(plan.metric) for r in rows],
     }
-    with open(os.path.join(folder, "comparison.md"), "w") as f:
-        f.write(for_mlflow)
-    with open(os.path.join(folder, "comparison.json"), "w") as f:
-        json.dump(document, f, indent=2)
+    storage.write_text(os.path.join(folder, "comparison.md"), for_mlflow)
+    storage.write_text(os.path.join(folder, "comparison.json"), json.dumps(document, indent=2))
     return markdown, document
 
 
