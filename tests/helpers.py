@@ -31,6 +31,7 @@ ADDED_KEYS = {  # issue 22: the step guard ([health]) and fault drills
     *(f"fault_tolerance.{name}" for name in ("heartbeat_timeout_ms", "join_timeout_ms")),
     *(f"fault_tolerance.{name}" for name in ("semi_sync", "sync_every", "outer_lr")),
     "fault_tolerance.outer_momentum",
+    "checkpoint.verify",  # issue 35: checksums of a checkpoint's files, checked before a load
 }
 
 # The tiny debug Llama: seconds of CPU per step on gloo.

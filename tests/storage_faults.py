@@ -4,7 +4,7 @@ registers the fixtures).
 Real file systems, not mocks: a read-only tmpfs, and small tmpfs mounts that really fill up,
 mounted for the test where this process may mount (root, as in CI). Without root a folder
 without write permission stands in for the read-only one, and the full-disk tests are skipped
-with the reason. ``cut`` and ``overwrite`` damage files as a crash or a bad copy would.
+with the reason. ``cut``, ``overwrite`` and ``flip`` damage files as a crash or a bad copy would.
 """
 
 from __future__ import annotations
@@ -88,6 +88,16 @@ def overwrite(path: Path, byte: bytes = b"\xff") -> None:
     """Rewrite ``path`` at its own size with one repeated byte (a bad copy: only a checksum
     or a content check notices)."""
     path.write_bytes(byte * path.stat().st_size)
+
+
+def flip(path: Path, offset: int, n: int = 16) -> None:
+    """Invert ``n`` bytes of ``path`` at ``offset`` (a bit flip, a bad copy: the size stays,
+    only a checksum notices)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def titan(

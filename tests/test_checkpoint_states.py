@@ -4,6 +4,7 @@ planted pickle (in an entry or in DCP's metadata) is refused without running."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from titan_core.checkpoint.manager import CheckpointManager
+from titan_core.checkpoint.manager import COMMIT_MARKER, CheckpointManager
 from titan_core.checkpoint.states import LoadPlanner, TrainState, capture_rng_state
 from titan_core.config.job import Checkpoint
 from titan_core.errors import CheckpointError
@@ -97,9 +98,14 @@ class _Planted:
 
 
 @pytest.mark.parametrize("where", ["entry", "metadata"])
-def test_planted_pickle_is_refused_without_running(tmp_path: Path, where: str) -> None:
+@pytest.mark.parametrize("listed", [True, False], ids=["checksums", "no-checksums"])
+def test_planted_pickle_is_refused_without_running(
+    tmp_path: Path, where: str, listed: bool
+) -> None:
     """A committed checkpoint whose train-state entry, or whose DCP ``.metadata``, is a pickle
-    that runs code: the load stops with one line and the code never runs."""
+    that runs code: the load stops with one line and the code never runs. The files' checksums
+    in the commit marker refuse it before anything is unpickled; without them (a marker from
+    before checksums, or one the planter rewrote too) the unpickling allow-lists do."""
     cfg = Checkpoint(enable=True, interval=1)
     states = {"train_state": TrainState(step=1)}
     CheckpointManager(cfg, str(tmp_path), states, rank=0, world_size=1).save(1)
@@ -114,6 +120,11 @@ def test_planted_pickle_is_refused_without_running(tmp_path: Path, where: str) -
         (step_dir / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
         # DCP reports the refusal inside its own "metadata is None" assertion.
         expected = r"\.metadata is not DCP metadata \(unexpected global pathlib\.Path\.touch\)"
+    if listed:
+        expected = r"\.(metadata|distcp): \d+ bytes, the commit marker says \d+"
+    else:
+        commit = step_dir / COMMIT_MARKER
+        commit.write_text(json.dumps({**json.loads(commit.read_text()), "files": {}}))
     manager = CheckpointManager(
         cfg, str(tmp_path), {"train_state": TrainState()}, rank=0, world_size=1
     )

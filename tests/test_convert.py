@@ -647,12 +647,18 @@ def _truncate(path: Path) -> None:
         f.truncate(path.stat().st_size // 20)
 
 
-def _corrupt(step: Path, fqn: str) -> None:
+def _corrupt(step: Path, fqn: str, unlist: bool = False) -> None:
+    """Overwrite the start of ``fqn``'s item; ``unlist``: drop the files' checksums from the
+    commit marker too, as in one written before them."""
     storage_data = dcp_reader(str(step)).read_metadata().storage_data
     info = next(v for k, v in storage_data.items() if k.fqn == fqn)
     with open(step / info.relative_path, "r+b") as f:
         f.seek(info.offset)
         f.write(b"\xff" * min(info.length, 64))
+    if unlist:
+        marker = json.loads((step / COMMIT_MARKER).read_text())
+        del marker["files"]
+        (step / COMMIT_MARKER).write_text(json.dumps(marker))
 
 
 def _shard_of(hf: Path, tensor: str) -> Path:
@@ -685,10 +691,17 @@ _TO_HF_CASES = {
     "unknown-tensor": (lambda step: None, ["--model.n_layers", "1"], "unknown tensor"),
     "missing-tensor": (lambda step: None, ["--model.n_layers", "3"], "missing"),
     "truncated-data": (lambda step: _truncate(step / "__0_0.distcp"), [], "(truncated)"),
-    # Found only while reading the last shard (the direct reader leaves a damaged item to DCP's
-    # reader, which names it): the shards already written must vanish too.
+    # Changed bytes: the file's checksum (commit marker) refuses the step before any is read.
     "corrupt-data": (
         lambda step: _corrupt(step, "model.output.weight"),
+        [],
+        "__0_0.distcp: checksum mismatch (",
+    ),
+    # Without checksums (a marker written before them) found only while reading the last shard
+    # (the direct reader leaves a damaged item to DCP's reader, which names it): the shards
+    # already written must vanish too.
+    "corrupt-data-unlisted": (
+        lambda step: _corrupt(step, "model.output.weight", unlist=True),
         ["--max-shard-size", str(SHARD)],
         "cannot read model.output.weight from",  # bf16: in the second of two shards
     ),

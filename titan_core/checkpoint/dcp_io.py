@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import warnings
 
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torch.distributed.checkpoint.storage import StorageReader
 
+from titan_core.checkpoint.integrity import ChecksumFileSystemWriter, ChecksumFsspecWriter
 from titan_core.checkpoint.safe_reader import SafeFileSystemReader, SafeFsspecReader
 from titan_core.storage import is_url
 
@@ -20,9 +19,13 @@ warnings.filterwarnings(
 )
 
 
-def dcp_writer(path: str) -> StorageWriter:
-    """A DCP writer for a local path or any fsspec URL."""
-    return FsspecWriter(path) if is_url(path) else FileSystemWriter(path)
+DcpWriter = ChecksumFileSystemWriter | ChecksumFsspecWriter
+
+
+def dcp_writer(path: str) -> DcpWriter:
+    """A DCP writer for a local path or any fsspec URL; after the save, the coordinator's
+    ``files`` holds each file's checksum for the commit marker (``checkpoint.integrity``)."""
+    return ChecksumFsspecWriter(path) if is_url(path) else ChecksumFileSystemWriter(path)
 
 
 def dcp_reader(path: str) -> StorageReader:

@@ -2,7 +2,8 @@
 
 Layout under ``<dump_folder>/<checkpoint.folder>/``: ``step-<N>/`` per save and ``seed/`` for the
 seed checkpoint. A directory counts only once rank 0 has written its commit marker (after DCP's
-own metadata), so a process killed mid-save leaves the previous step as the one that loads.
+own metadata), so a process killed mid-save leaves the previous step as the one that loads. The
+marker lists every file's size and checksum (``checkpoint.integrity``), checked before a load.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_core import storage
-from titan_core.checkpoint.dcp_io import dcp_reader, dcp_writer
+from titan_core.checkpoint.dcp_io import DcpWriter, dcp_reader, dcp_writer
+from titan_core.checkpoint.integrity import COMMIT_MARKER, FileEntry, file_damage, marker_files
 from titan_core.checkpoint.states import LoadPlanner
 from titan_core.config.dtypes import TORCH_DTYPES
 from titan_core.config.job import Checkpoint as CheckpointConfig
@@ -40,7 +42,6 @@ empties the stager's copy table, so a second save with it fails (``KeyError: <cl
 seen on an H100 with torch 2.11). There every pinned-memory save gets a fresh stager (its pinned
 buffers are allocated again); torch 2.13 keeps one stager and its buffers for the whole run."""
 
-COMMIT_MARKER = ".titan_complete"
 SEED_DIR = "seed"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 # Test hook: SIGKILL this process after DCP wrote step N but before its commit marker.
@@ -99,11 +100,12 @@ def read_marker(step_dir: str) -> dict[str, Any] | None:
     return marker
 
 
-def damage(step_dir: str) -> str | None:
+def damage(step_dir: str, *, verify: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
     """Why the checkpoint in ``step_dir`` cannot be loaded, in one line (its commit marker does
-    not parse, its metadata does not read, a data file is missing or shorter than the metadata
-    says), or None when it looks whole. Reads the marker and the metadata; the data files are
-    only listed."""
+    not parse, its metadata does not read or match its checksum, a data file is missing, shorter
+    than the metadata says or not as the marker lists it), or None when it looks whole. Reads the
+    marker and the metadata, lists the data files and, with ``verify``, reads this rank's
+    ``share`` of them against their checksums (``data_file_damage``)."""
     try:
         with storage_errors(step_dir, CheckpointError):
             if read_marker(step_dir) is None:
@@ -113,12 +115,22 @@ def damage(step_dir: str) -> str | None:
         return str(e).removeprefix("checkpoint: ")
     except Exception as e:  # EOFError and the like from a cut-short .metadata
         return f"{storage.join(step_dir, '.metadata')}: unreadable ({type(e).__name__})"
-    return data_file_damage(step_dir, metadata)
+    return data_file_damage(step_dir, metadata, verify=verify, share=share)
 
 
-def data_file_damage(step_dir: str, metadata: Any, prefix: str = "") -> str | None:
+def data_file_damage(
+    step_dir: str,
+    metadata: Any,
+    prefix: str = "",
+    *,
+    verify: bool = True,
+    share: tuple[int, int] = (0, 1),
+) -> str | None:
     """The first data file of a DCP checkpoint holding tensors under ``prefix`` that is missing
-    or shorter than its ``metadata`` says, in one line; None when all are there. One listing."""
+    or shorter than its ``metadata`` says, or (where the commit marker lists checksums) of
+    another size or, with ``verify``, other bytes than the marker says, in one line; None when
+    all are whole. One listing; ``share`` = (rank, world size): which files this rank reads
+    (``integrity.file_damage``)."""
     needed: dict[str, int] = {}
     for index, info in (metadata.storage_data or {}).items():
         if index.fqn.startswith(prefix):
@@ -133,13 +145,29 @@ def data_file_damage(step_dir: str, metadata: Any, prefix: str = "") -> str | No
             return f"{where}: data file missing"
         if (sizes[name] or 0) < size:
             return f"{where}: {sizes[name]} bytes, the metadata needs {size} (truncated)"
-    return None
+    listed = marker_files(step_dir)
+    files = {name: listed[name] for name in needed if name in listed}
+    return file_damage(step_dir, files, sizes, verify=verify, share=share)
 
 
 def is_unhealthy(marker: dict[str, Any] | None) -> bool:
     """Whether a commit marker says the checkpoint's weights are not finite (saved with the
     step guard off: ``health.enable``; with it on, no such checkpoint is ever saved)."""
     return ((marker or {}).get("health") or {}).get("healthy") is False
+
+
+def newest_healthy(folder: str, steps: list[int]) -> int | None:
+    """The newest of the complete ``steps`` in ``folder`` whose commit marker does not mark it
+    unhealthy (a marker that does not parse is no healthy one either), or None. Reads markers
+    newest first, so usually one."""
+    for step in sorted(steps, reverse=True):
+        try:
+            marker = read_marker(storage.join(folder, f"step-{step}"))
+        except CheckpointError:
+            continue
+        if marker is not None and not is_unhealthy(marker):
+            return step
+    return None
 
 
 def check_healthy(step_dir: str, marker: dict[str, Any] | None, key: str) -> None:
@@ -177,7 +205,7 @@ class CheckpointManager:
         self.folder = storage.resolve(dump_folder, cfg.folder)
         self.states = states
         self.rank = rank
-        self._pending: tuple[Future, int, bool] | None = None
+        self._pending: tuple[Future, int, bool, DcpWriter] | None = None
         self._staging: Future | None = None
         self.skipped: list[tuple[int, str]] = []
         """Damaged steps ``load`` passed over, newest first, with why."""
@@ -241,13 +269,13 @@ class CheckpointManager:
                     f"in {self.folder} (complete: {steps or 'none'})"
                 )
             path = self.step_dir(self.cfg.load_step)
-            if (why := damage(path)) is not None:
+            if (why := self._damage(path)) is not None:
                 raise CheckpointError(f"checkpoint.load_step: {why}")
             return self._load_dir(path)
         # The newest whole step: a damaged one (cut short by a full disk, a bad copy) is said
         # and passed over, never loaded halfway.
         for step in reversed(steps):
-            why = damage(self.step_dir(step))
+            why = self._damage(self.step_dir(step))
             if why is None:
                 return self._load_dir(self.step_dir(step))
             self.skipped.append((step, why))
@@ -258,12 +286,28 @@ class CheckpointManager:
                 f"{self.skipped[0][1]}); restore one, or set checkpoint.folder to start over"
             )
         if read_marker(self.seed_dir) is not None:
+            if (why := self._damage(self.seed_dir)) is not None:
+                raise CheckpointError(f"checkpoint: the seed checkpoint is damaged: {why}")
             logger.info("No step checkpoint yet: loading the seed checkpoint %s", self.seed_dir)
             return self._load_dir(self.seed_dir)
         if self.cfg.initial_load_path:
             return self._load_initial(self.cfg.initial_load_path)
         logger.info("No checkpoint in %s: starting from freshly initialized weights", self.folder)
         return 0
+
+    def _damage(self, path: str) -> str | None:
+        """``damage`` of ``path`` as all ranks see it: each rank reads its share of the files
+        against their checksums (``checkpoint.verify``) and the first complaint, in rank order,
+        is every rank's verdict. Without collectives (one process, a simulated world: ``reader``
+        set) this process reads every file."""
+        together = self.reader is None and dist.is_initialized() and dist.get_world_size() > 1
+        share = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
+        why = damage(path, verify=self.cfg.verify == "checksum", share=share)
+        if together:
+            verdicts: list[str | None] = [None] * share[1]
+            dist.all_gather_object(verdicts, why)
+            why = next((v for v in verdicts if v is not None), None)
+        return why
 
     def load_step(self, step: int) -> tuple[int, bool]:
         """Restore the complete checkpoint of ``step`` (0: the seed checkpoint), as a health
@@ -287,6 +331,8 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint.initial_load_path: {path} is not a DCP checkpoint (no .metadata)"
             )
+        if read_marker(path) is not None and (why := self._damage(path)) is not None:
+            raise CheckpointError(f"checkpoint.initial_load_path: {why}")
         keys = ["model"] if self.cfg.initial_load_model_only else self._loadable_keys()
         logger.info("Loading %s from initial_load_path %s", keys, path)
         self._dcp_load(path, keys)
@@ -376,7 +422,7 @@ class CheckpointManager:
         start = time.perf_counter()
         if self.cfg.async_mode == "disabled" or blocking:
             try:
-                self._save_now(state, path)
+                self._save_now(state, writer)
             except (Exception, dcp.CheckpointException) as e:
                 why = self._failed_save(path, e)
                 # A full disk: free what keep_latest_k would free after this save, then once more.
@@ -384,11 +430,11 @@ class CheckpointManager:
                     raise CheckpointError(f"checkpoint: saving {path} failed: {why}") from None
                 logger.warning("Saving %s failed (%s): freed older steps, saving again", path, why)
                 try:
-                    self._save_now(state, path)
+                    self._save_now(state, writer := dcp_writer(path))
                 except (Exception, dcp.CheckpointException) as again:
                     why = self._failed_save(path, again)
                     raise CheckpointError(f"checkpoint: saving {path} failed: {why}") from None
-            self._commit(path, step, model_only)
+            self._commit(path, step, model_only, writer.files)
             logger.info("Saved checkpoint %s in %.2fs", path, time.perf_counter() - start)
         else:
             if self._stager is not None and self._stager_spent:
@@ -405,7 +451,7 @@ class CheckpointManager:
                 self._stager_spent = STAGER_SINGLE_USE
                 self._staging = result.staging_completion
                 result = result.upload_completion
-            self._pending = (result, step, model_only)
+            self._pending = (result, step, model_only, writer)
             logger.info(
                 "Staged checkpoint %s in %.2fs (writing in background)",
                 path,
@@ -419,22 +465,26 @@ class CheckpointManager:
             "model": {k: v.to(dtype) if v.is_floating_point() else v for k, v in model_sd.items()}
         }
 
-    def _commit(self, path: str, step: int, model_only: bool) -> None:
+    def _commit(self, path: str, step: int, model_only: bool, files: dict[str, FileEntry]) -> None:
+        """Rank 0: write the commit marker of ``path``, with ``files`` (each file's size and
+        checksum, from the coordinator's writer: no collective, so that an async save commits
+        on rank 0 alone)."""
         if os.environ.get(FAULT_ENV) == str(step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.rank == 0:
             marker: dict[str, Any] = {"step": step, "model_only": model_only, "time": time.time()}
+            marker["files"] = files
             if self.model_description is not None:
                 marker["model"] = self.model_description
             if self.health is not None and path != self.seed_dir:
                 marker["health"] = self.health
-            storage.write_text_atomic(storage.join(path, COMMIT_MARKER), json.dumps(marker))
+            storage.write_text(storage.join(path, COMMIT_MARKER), json.dumps(marker))
             if path != self.seed_dir:
                 self._purge(step)
 
-    def _save_now(self, state: dict[str, Any], path: str) -> None:
+    def _save_now(self, state: dict[str, Any], writer: DcpWriter) -> None:
         # One process without a process group (a seed, a single-rank run): say so to DCP.
-        dcp.save(state, storage_writer=dcp_writer(path), no_dist=not dist.is_initialized())
+        dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
 
     def _failed_save(self, path: str, error: BaseException) -> str:
         """After a failed save of ``path``: remove what it wrote (rank 0; the folder is this
@@ -450,10 +500,13 @@ class CheckpointManager:
 
     def _free_before_save(self, step: int) -> bool:
         """Remove the complete steps that keep_latest_k removes once ``step`` is saved, never
-        the newest complete one; whether any was removed (all ranks agree: one listing)."""
+        the newest complete one nor the newest healthy one; whether any was removed (all ranks
+        agree: one listing)."""
         keep = self.cfg.keep_latest_k
         complete = [s for s in complete_steps(self.folder) if s < step]
         doomed = complete[: -max(keep - 1, 1)] if keep else []
+        healthy = newest_healthy(self.folder, complete) if doomed else None
+        doomed = [s for s in doomed if s != healthy]  # the state a stopped run goes back to
         if self.rank == 0:
             for old in doomed:
                 storage.remove_tree(self.step_dir(old))
@@ -463,10 +516,13 @@ class CheckpointManager:
         return bool(doomed)
 
     def _purge(self, newest: int) -> None:
-        """Drop complete steps beyond keep_latest_k and incomplete debris older than ``newest``."""
+        """Drop complete steps beyond keep_latest_k (never the newest healthy one, when newer
+        ones are marked unhealthy) and incomplete debris older than ``newest``."""
         keep = self.cfg.keep_latest_k
         complete = complete_steps(self.folder)
         doomed = complete[:-keep] if keep else []
+        healthy = newest_healthy(self.folder, complete) if doomed else None
+        doomed = [s for s in doomed if s != healthy]  # the state a stopped run goes back to
         for name in storage.list_dirs(self.folder):
             match = _STEP_RE.match(name)
             if match and int(match.group(1)) < newest and int(match.group(1)) not in complete:
@@ -490,7 +546,7 @@ class CheckpointManager:
         """Block until a pending background save is written, then commit it."""
         if self._pending is None:
             return
-        future, step, model_only = self._pending
+        future, step, model_only, writer = self._pending
         self._pending = None
         try:
             future.result()
@@ -500,7 +556,7 @@ class CheckpointManager:
             if why.startswith(NO_SPACE):
                 self._free_before_save(step)  # room for the next save, after a restart
             raise CheckpointError(f"checkpoint: saving {path} failed: {why}") from None
-        self._commit(self.step_dir(step), step, model_only)
+        self._commit(self.step_dir(step), step, model_only, writer.files)
         logger.info("Background checkpoint step-%d committed", step)
 
     def close(self) -> None:

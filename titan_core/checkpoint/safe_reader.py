@@ -4,13 +4,18 @@ DCP describes a checkpoint in a pickled ``.metadata`` file and reads it with ``p
 which calls whatever the file names: a planted checkpoint could execute code when a job
 resumes. These readers unpickle it with an allow-list of the classes that describe a
 checkpoint (tensor layouts, chunk offsets, storage locations) and refuse anything else.
-Entries are read by ``states.LoadPlanner``, which admits tensors and plain values only.
+Entries are read by ``states.LoadPlanner``, which admits tensors and plain values only. Where the
+commit marker lists a checksum for the file (``checkpoint.integrity``), bytes that do not match
+it are refused before they are unpickled at all.
 """
 
 from __future__ import annotations
 
+import io
+import os
 import pathlib
 import pickle
+import posixpath
 from typing import Any
 
 import torch
@@ -20,6 +25,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from titan_core.checkpoint.integrity import check_bytes, marker_files
 from titan_core.errors import CheckpointError
 
 _ALLOWED = {
@@ -57,11 +63,15 @@ class _SafeMetadata:
     """Replaces ``read_metadata`` of a DCP file reader (same file, same result)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The checkpoint's metadata, unpickled through the allow-list."""
+        """The checkpoint's metadata, checked against the commit marker's checksum (if it
+        lists one), then unpickled through the allow-list."""
         path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            data = f.read()
+        name = posixpath.basename(os.fspath(path))
+        check_bytes(str(path), data, marker_files(os.fspath(self.path)).get(name))
         try:
-            with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except pickle.UnpicklingError as e:
             raise CheckpointError(f"checkpoint: {path} is not DCP metadata ({e})") from e
         if not isinstance(metadata, Metadata):

@@ -11,11 +11,26 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from titan_core.errors import ConfigError
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class UsedIn:
+    """Marks a float setting that the engine computes with in ``dtype`` on the device: the
+    schema refuses a value that ``dtype`` does not hold (``titan_core.config.schema``). A Python
+    float is a double, so 1e39 is finite here and infinite in float32."""
+
+    dtype: DTypeName
+
+
+F32 = Annotated[float, UsedIn("float32")]
+"""A float used in float32 arithmetic: the optimizers' settings (the weights and their moments
+are float32, whatever the compute dtype), the gradient norm's clip, the step guard's statistics
+and the MoE aux-loss gradient."""
 
 
 def _require(cond: bool, key: str, expected: str, got: object) -> None:
@@ -71,7 +86,7 @@ class Model:
     """Mixture-of-experts families: override the flavor's routed experts per layer; -1 keeps."""
     moe_top_k: int = -1
     """Mixture-of-experts families: override the experts each token is routed to; -1 keeps."""
-    moe_aux_loss_coef: float = -1.0
+    moe_aux_loss_coef: F32 = -1.0
     """Mixture-of-experts families: weight of the load-balancing loss (0 turns it off); -1
     keeps the flavor's (Qwen3-MoE: 0.001)."""
     moe_load_balance_bias: Literal["flavor", "on", "off"] = "flavor"
@@ -119,7 +134,7 @@ class Training:
     """Tokens per packed sequence."""
     steps: int = 100
     """Optimizer steps to train for (the total, counting steps done before a resume)."""
-    max_norm: float = 1.0
+    max_norm: F32 = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     mixed_precision_param: DTypeName = "float32"
     """Dtype of parameters in forward/backward under FSDP (bfloat16 on GPUs)."""
@@ -273,15 +288,15 @@ class Optimizer:
 
     name: Literal["AdamW", "Adam"] = "AdamW"
     """Optimizer class from torch.optim."""
-    lr: float = 8e-4
+    lr: F32 = 8e-4
     """Peak learning rate."""
-    beta1: float = 0.9
+    beta1: F32 = 0.9
     """First-moment decay."""
-    beta2: float = 0.95
+    beta2: F32 = 0.95
     """Second-moment decay."""
-    eps: float = 1e-8
+    eps: F32 = 1e-8
     """Denominator epsilon."""
-    weight_decay: float = 0.1
+    weight_decay: F32 = 0.1
     """Decoupled weight decay."""
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
     """Kernel implementation: fused (default: the step guard skips updates on the device), foreach
@@ -399,6 +414,8 @@ class Checkpoint:
     """Make the final save model-only (in export_dtype)."""
     load_step: int = -1
     """Load this step; -1 loads the newest complete one."""
+    verify: Literal["checksum", "size"] = "checksum"
+    """Check of a step's files before loading it: checksums (reads them whole), or sizes only."""
     initial_load_path: str = ""
     """Checkpoint to load model weights from when the folder holds none yet."""
     initial_load_model_only: bool = True
@@ -589,7 +606,7 @@ class Health:
     rollback."""
     spike_window: int = 128
     """Healthy steps in the rolling statistics; spikes are looked for once it is full."""
-    spike_threshold: float = 6.0
+    spike_threshold: F32 = 6.0
     """Standard deviations above the window's mean that make a spike."""
     max_consecutive: int = 5
     """Stop after this many anomalous steps in a row (a persistent fault, not a transient one)."""
@@ -668,9 +685,9 @@ class FaultTolerance:
     SGD (outer_lr, outer_momentum). For groups on slow links."""
     sync_every: int = 20
     """semi_sync: steps between weight syncs (and after the last step)."""
-    outer_lr: float = 0.7
+    outer_lr: F32 = 0.7
     """semi_sync diloco: the outer optimizer's learning rate."""
-    outer_momentum: float = 0.9
+    outer_momentum: F32 = 0.9
     """semi_sync diloco: the outer optimizer's Nesterov momentum (0: plain SGD)."""
 
     def __post_init__(self) -> None:
@@ -807,7 +824,7 @@ class Debug:
     """torch intra-op threads; 0 keeps torch's default."""
     inject: list[str] = field(default_factory=list)
     """Fault drills, KIND:STEP[:RANK], KIND one of nan_loss, nan_grad, loss_spike, grad_spike,
-    slow_rank (from STEP on), bitflip (in STEP's forward)."""
+    slow_rank (from STEP on), bitflip (in STEP's forward), overflow_update (STEP's update)."""
     drill: bool = False
     """Allow debug.inject: a run with injected faults must say it is a drill."""
 
@@ -821,7 +838,15 @@ class Debug:
         )
 
 
-INJECTION_KINDS = ("nan_loss", "nan_grad", "loss_spike", "grad_spike", "slow_rank", "bitflip")
+INJECTION_KINDS = (
+    "nan_loss",
+    "nan_grad",
+    "loss_spike",
+    "grad_spike",
+    "slow_rank",
+    "bitflip",
+    "overflow_update",
+)
 
 
 def parse_injections(entries: list[str]) -> list[tuple[str, int, int]]:
