@@ -139,6 +139,11 @@ def test_anomalies_that_persist_stop_the_run(tmp_path: Path) -> None:
         guard.check(step, torch.tensor(3.0), torch.tensor(math.nan))
     with pytest.raises(HealthStop, match=r"3 anomalous steps in a row"):
         guard.flush()
+    # Each row says what was done: the steps before were skipped, the last one stopped the run.
+    rows = [json.loads(line) for line in (tmp_path / "health.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["action"]) for r in rows] == [
+        (3, "skip"), (4, "skip"), (6, "skip"), (7, "skip"), (8, "stop"),
+    ]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -338,6 +343,10 @@ def test_a_line_never_continues_from_an_unhealthy_checkpoint(tmp_path: Path) -> 
         (["--health.max_consecutive", "0"], "health.max_consecutive: expected an int > 0"),
         (["--debug.inject", "nan_loss:3"], "debug.inject: expected debug.drill on as well"),
         (["--debug.inject", "nan:3", "--debug.drill"], "debug.inject: expected KIND:STEP[:RANK]"),
+        (
+            ["--debug.inject", "nan_loss:21", "--debug.drill"],  # the recipe trains 20 steps
+            "debug.inject: nan_loss:21:0: step 21 is past the last step (training.steps = 20): it",
+        ),
         (
             ["--debug.inject", "nan_loss:3:2", "--debug.drill"],
             "debug.inject: nan_loss:3:2 names rank 2, but the job has ranks 0..0",
@@ -565,7 +574,8 @@ def test_rollbacks_are_capped_and_damp_the_learning_rate(tmp_path: Path, prepare
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 5, 6]
     assert rows[5]["lr"] == pytest.approx(0.5 * rows[4]["lr"])
     health = [json.loads(line) for line in (tmp_path / "health.jsonl").read_text().splitlines()]
-    assert [r["action"] for r in health] == ["rollback", "rollback", "rollback"]
+    # The second incident could not roll back: its row says what was done (stop).
+    assert [r["action"] for r in health] == ["rollback", "rollback", "stop"]
     assert health[1] == {"step": 6, "action": "rollback", "to_step": 4, "skipped_samples": [16, 24]}
 
 
@@ -574,6 +584,30 @@ def test_rollback_without_a_checkpoint_stops_with_one_line(tmp_path: Path, asset
              "--health.nonfinite", "rollback"]  # fmt: skip
     with pytest.raises(HealthStop, match=r"no checkpoint to roll back to: stopped; no checkpoint"):
         run(parse_args(_args(tmp_path, *extra)))
+    row = json.loads((tmp_path / "health.jsonl").read_text())
+    assert (row["step"], row["action"]) == (3, "stop")
+
+
+def test_a_rollback_to_the_seed_skips_the_samples_since_the_start(
+    tmp_path: Path, prepared: str
+) -> None:
+    """No step checkpoint before the anomaly: the rollback goes to the seed checkpoint, and the
+    samples skipped are those since the run's start (0:12, not an empty 12:12), a range
+    dataloader.exclude takes: a run from the same seed excluding it ends bitwise alike."""
+    run_dir, ref_dir = tmp_path / "rollback", tmp_path / "reference"
+    common = ["--dataloader.dataset", prepared, "--training.seq_len", "32",
+              "--training.steps", "5", "--checkpoint.interval", "4"]  # fmt: skip
+    run(parse_args(_args(run_dir, *common, "--checkpoint.create_seed_checkpoint")))
+    shutil.copytree(run_dir / "checkpoint" / "seed", ref_dir / "checkpoint" / "seed")
+    run(parse_args(_args(run_dir, *common, "--debug.drill", "--debug.inject", "nan_loss:3",
+                         "--health.nonfinite", "rollback")))  # fmt: skip
+    rows = [json.loads(line) for line in (run_dir / "health.jsonl").read_text().splitlines()]
+    assert rows[-1] == {"step": 3, "action": "rollback", "to_step": 0, "skipped_samples": [0, 12]}
+    run(parse_args(_args(ref_dir, *common, "--dataloader.exclude", "0:12")))
+    got, want = (_tensors(d / "checkpoint" / "step-5") for d in (run_dir, ref_dir))
+    assert got.keys() == want.keys() and any(k.startswith("optimizer.") for k in got)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
 
 
 # ------------------------------------------------------------------ in the pipeline

@@ -17,7 +17,7 @@ import torch
 
 from titan_core import storage
 from titan_core.checkpoint.manager import checkpoint_model
-from titan_core.config.job import Health, JobConfig, parse_injections, parse_mix
+from titan_core.config.job import JobConfig, parse_injections, parse_mix
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.distributed import simulation
 from titan_core.distributed import utils as dist_utils
@@ -203,7 +203,7 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
             "(parallelism.pipeline_parallel_degree and context_parallel_degree must be 1)"
         )
     for kind, step, rank in parse_injections(cfg.debug.inject):
-        _check_injection(cfg.health, kind, step, rank, world_size)
+        _check_injection(cfg, kind, step, rank, world_size)
     tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
     check_prepared_data(cfg, tokenizer, parallel_dims.dp_degree)
     model_args = build_model_args(cfg, tokenizer.n_words)
@@ -213,12 +213,28 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
     return parallel_dims, tokenizer, model_args
 
 
-def _check_injection(health: Health, kind: str, step: int, rank: int, world_size: int) -> None:
-    """One ``debug.inject`` entry against the job: its rank exists, and what would see the
-    fault is on (a drill nothing can detect proves nothing)."""
-    entry = f"debug.inject: {kind}:{step}:{rank}"
+def check_outputs_writable(cfg: JobConfig) -> None:
+    """One ``ConfigError`` line, before anything starts, unless this process can write where
+    the job writes: ``job.dump_folder`` and, when the job saves checkpoints, the checkpoint
+    folder (``checkpoint.folder`` may be an absolute path or a URL outside the dump folder)."""
+    storage.check_writable(cfg.job.dump_folder, "job.dump_folder")
+    ckpt = cfg.checkpoint
+    if (ckpt.enable and not ckpt.load_only) or ckpt.create_seed_checkpoint:
+        folder = storage.resolve(cfg.job.dump_folder, ckpt.folder)
+        storage.check_writable(folder, "checkpoint.folder")
+
+
+def _check_injection(cfg: JobConfig, kind: str, step: int, rank: int, world_size: int) -> None:
+    """One ``debug.inject`` entry against the job: its rank and step exist, and what would see
+    the fault is on (a drill nothing can detect proves nothing)."""
+    entry, health = f"debug.inject: {kind}:{step}:{rank}", cfg.health
     if rank >= world_size:
         raise ConfigError(f"{entry} names rank {rank}, but the job has ranks 0..{world_size - 1}")
+    if step > cfg.training.steps:
+        raise ConfigError(
+            f"{entry}: step {step} is past the last step (training.steps = "
+            f"{cfg.training.steps}): it would never fire"
+        )
     if kind == "slow_rank" and (world_size < 2 or not health.enable or not health.straggler_factor):
         raise ConfigError(
             f"{entry}: a slow rank is found by comparing ranks: it needs a job of 2 or more "

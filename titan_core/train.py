@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import sys
 
-from titan_core import comm_mode, storage
+from titan_core import comm_mode
+from titan_core.build import check_outputs_writable
 from titan_core.config.job import JobConfig
 from titan_core.distributed import flight_recorder
 from titan_core.errors import TitanError
@@ -26,7 +27,7 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     if cfg.comm.mode != "default":
         return comm_mode.run(cfg)
     _note_restart(cfg)
-    storage.check_writable(cfg.job.dump_folder, "job.dump_folder")
+    check_outputs_writable(cfg)  # the dump folder, and the checkpoint folder where saved
     trainer = Trainer(cfg)
     try:
         with flight_recorder.dump_on_failure(trainer.side_folder):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import time
 from typing import Any
@@ -20,11 +21,17 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_core import storage
 from titan_core.build import build_model_parts, check_job, local_side_folder, resolved_config
-from titan_core.checkpoint.manager import CheckpointManager, complete_steps, read_marker
+from titan_core.checkpoint.manager import (
+    CheckpointManager,
+    complete_steps,
+    newest_healthy,
+    read_marker,
+)
 from titan_core.checkpoint.states import ModelState, TrainState
 from titan_core.components.health import (
     HealthGuard,
     HealthStop,
+    Incident,
     arm_bitflip,
     grad_fingerprint,
     inject_faults,
@@ -127,7 +134,9 @@ class Trainer:
         self._rollbacks: list[int] = []  # steps at which the guard rolled back
         self._damped_until = 0  # the last step of a rollback's learning-rate damping
         mine = [(k, s) for k, s, r in parse_injections(cfg.debug.inject) if r == self.dist.rank]
-        self.injections = [(k, s) for k, s in mine if k not in ("slow_rank", "bitflip")]
+        drills = ("slow_rank", "bitflip", "overflow_update")  # not a change of loss or gradients
+        self.injections = [(k, s) for k, s in mine if k not in drills]
+        self._overflows = {s for k, s in mine if k == "overflow_update"}
         self._slow_from = min((s for k, s in mine if k == "slow_rank"), default=None)
         self._slow_seconds = 0.0  # the slow-rank drill's extra compute per step, set at its start
         self._bitflips = {s for k, s in mine if k == "bitflip"}
@@ -156,6 +165,8 @@ class Trainer:
             rank=self.dist.rank,
             world_size=self.dist.world_size,
         )
+        if self.guard is not None:
+            self.guard.rollback_blocker = self._rollback_blocker
         self.semi = None  # semi-synchronous replica groups: their weight syncs
         if ft.enable and ft.semi_sync != "off":
             self.semi = fault_tolerance.SemiSync(ft, self._params)
@@ -268,35 +279,49 @@ class Trainer:
             if self.stragglers is not None and (self.metrics.should_log(step) or final):
                 guard.record_stragglers(self.stragglers.report(step))
                 metrics |= self.stragglers.metrics()
-        if saving:  # weights checked too: an overflow to inf is no NaN loss yet
+        # The weights are checked where it is cheap and certain: at a save (what is saved), and
+        # at the step after one (an update that overflowed right after a save is found before
+        # it costs more steps: the checkpoint just saved is the rollback's). An overflowed update
+        # is no NaN loss yet.
+        after_save = (
+            guard is not None and step > 1 and self.checkpointer.should_save(step - 1, False)
+        )
+        if saving or after_save:
+            counts = self._nonfinite_tensors()
+            if any(counts) and guard is not None:  # stop, or roll back: nothing is saved
+                try:
+                    guard.nonfinite_weights(step, counts)
+                except HealthStop as e:
+                    raise HealthStop(f"{e}; {self._newest_checkpoint()}") from None
+                return {}, self._rollback(data_iter, step)
+        if saving:
+            if any(counts):
+                logger.warning(
+                    "step %d: the weights are not finite (ranks %s); saved marked unhealthy "
+                    "(health.enable is off), the newest healthy checkpoint is kept",
+                    step,
+                    [r for r, n in enumerate(counts) if n],
+                )
             mark = guard.mark() if guard is not None else {"guard": False}
-            self.checkpointer.health = {"healthy": self._weights_finite(), **mark}
+            self.checkpointer.health = {"healthy": not any(counts), **mark}
         return metrics, None
 
     def _rollback(self, data_iter: Any, step: int) -> Any:
-        """Roll back to the newest checkpoint before the guard's incident, keep the data
+        """Roll back to the newest healthy checkpoint before the guard's incident, keep the data
         cursor where it is (the samples read since the checkpoint are skipped), and return the
-        data iterator to go on with. Raises ``HealthStop`` past ``health.max_rollbacks``."""
+        data iterator to go on with. (Where none can be done the guard stopped instead.)"""
         h, incident = self.cfg.health, self.guard.rollback
         assert incident is not None
-        first = incident.line().split(" -> ")[0]
-        recent = [s for s in self._rollbacks if s > step - h.rollback_window]
-        if len(recent) >= h.max_rollbacks:
-            raise HealthStop(
-                f"{first}; {len(recent)} rollbacks within {h.rollback_window} steps "
-                f"(health.max_rollbacks = {h.max_rollbacks}): stopped"
-            )
-        self.checkpointer.wait()
-        steps = [s for s in complete_steps(self.checkpointer.folder) if s < incident.step]
-        if not steps and read_marker(self.checkpointer.seed_dir) is not None:
-            steps = [0]  # the seed checkpoint: the run's start
-        if not self.cfg.checkpoint.enable or not steps:
-            raise HealthStop(f"{first}; health: no checkpoint to roll back to: stopped")
+        # The guard asked _rollback_blocker before it chose to roll back: a target exists.
+        target = self._rollback_target(incident.step)
+        assert target is not None, "the guard rolls back only where _rollback_blocker allows"
         if hasattr(data_iter, "close"):
             data_iter.close()  # its prefetch thread stops; the loader's state is what it handed out
         data_state = self.dataloader.state_dict()
-        target, model_only = self.checkpointer.load_step(steps[-1])
+        target, model_only = self.checkpointer.load_step(target)
         since = getattr(self.dataloader, "position", None)  # prepared data: the global order
+        if model_only:  # no data position in it: the seed's is the run's start, others unknown
+            since = 0 if target == 0 and since is not None else None
         self.dataloader.load_state_dict(data_state)
         if model_only:  # the seed: the optimizer and the schedule start over too
             self.optimizer.state.clear()
@@ -319,25 +344,76 @@ class Trainer:
         )
         return iter(self.dataloader)
 
-    def _weights_finite(self) -> bool:
-        """Whether every rank's parameters are all finite (for a save without the guard)."""
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in self._params]
-        ok = torch.stack([torch.isfinite(p.detach()).all() for p in local]).all().float()
+    def _rollback_blocker(self, incident: Incident) -> str | None:
+        """Why the guard cannot roll back for ``incident`` (the reason its stop line gives),
+        or None: too many rollbacks lately, or no healthy checkpoint before it."""
+        h, step = self.cfg.health, self.train_state.step
+        recent = [s for s in self._rollbacks if s > step - h.rollback_window]
+        if len(recent) >= h.max_rollbacks:
+            return (
+                f"{len(recent)} rollbacks within {h.rollback_window} steps "
+                f"(health.max_rollbacks = {h.max_rollbacks})"
+            )
+        if self._rollback_target(incident.step) is None:
+            return "no checkpoint to roll back to"
+        return None
+
+    def _rollback_target(self, before: int) -> int | None:
+        """The newest healthy complete checkpoint before step ``before`` (0: the seed), or
+        None."""
+        if not self.cfg.checkpoint.enable:
+            return None
+        self.checkpointer.wait()  # an async save in flight is of a step before the incident
+        return self._newest_healthy(before)
+
+    def _newest_healthy(self, before: int | None = None) -> int | None:
+        """The newest complete step (before ``before``) not marked unhealthy, 0 for the seed
+        checkpoint when there is none, or None."""
+        folder = self.checkpointer.folder
+        steps = [s for s in complete_steps(folder) if before is None or s < before]
+        if (step := newest_healthy(folder, steps)) is not None:
+            return step
+        return 0 if read_marker(self.checkpointer.seed_dir) is not None else None
+
+    def _nonfinite_tensors(self) -> list[int]:
+        """Every rank's number of non-finite tensors among its weights and optimizer state (what
+        a save writes): one pass over them and one all-reduce, at save points only, where the
+        host synchronizes anyway."""
+        tensors = [*self._params]
+        for state in self.optimizer.state.values():  # the moments (not step counters: a count
+            # is finite, and a non-fused optimizer keeps it on the CPU, away from the weights)
+            tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        local = [t.detach() for t in local if t.numel()]  # FSDP may leave a rank an empty shard
+        counts = torch.zeros(self.dist.world_size, device=self.device)
+        if local:  # the largest magnitude of each: NaN and inf stay what they are
+            largest = torch.stack(torch._foreach_norm(local, math.inf))
+            counts[self.dist.rank] = (~torch.isfinite(largest)).sum().float()
         if self.dist.world_size > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        return bool(ok.item())
+            dist.all_reduce(counts)
+        return [int(n) for n in counts.tolist()]
 
     def _lr_factor(self, step: int) -> float:
         """The learning-rate damping after a rollback (1.0 outside it)."""
         return self.cfg.health.rollback_lr_factor if step <= self._damped_until else 1.0
 
     def _newest_checkpoint(self) -> str:
-        """Where a stopped run's healthy state is, for the guard's stop line."""
-        self.checkpointer.wait()  # an async save in flight is of a step before the anomaly
-        steps = complete_steps(self.checkpointer.folder) if self.cfg.checkpoint.enable else []
-        if not steps:
+        """Where a stopped run's healthy state is, for the guard's stop line: the newest
+        checkpoint whose marker says its weights are finite (the seed if there is no step)."""
+        if not self.cfg.checkpoint.enable:
             return "no checkpoint of this run was saved"
-        return f"newest checkpoint (healthy): {self.checkpointer.step_dir(steps[-1])}"
+        self.checkpointer.wait()  # an async save in flight is of a step before the anomaly
+        steps = complete_steps(self.checkpointer.folder)
+        healthy = self._newest_healthy()
+        if healthy is None:
+            if steps:
+                return "no healthy checkpoint: every one holds non-finite weights"
+            return "no checkpoint of this run was saved"
+        where = self.checkpointer.seed_dir if healthy == 0 else self.checkpointer.step_dir(healthy)
+        if steps and steps[-1] > healthy:  # a resume would load the newer, unhealthy one
+            how = f": resume with --checkpoint.load_step {healthy}" if healthy else ""
+            return f"newest healthy checkpoint: {where} (newer ones hold non-finite weights{how})"
+        return f"newest checkpoint (healthy): {where}"
 
     def _build_metrics(self) -> MetricsProcessor:
         cfg, side = self.cfg, self.side_folder
@@ -375,7 +451,7 @@ class Trainer:
         # The job's config (under fault tolerance: all replica groups, not this one's view).
         text = to_toml(resolved_config(self.job_cfg, self.parallel_dims, self.model_args))
         if self.dist.is_rank0 and self.cfg.job.save_config and self._first_group:
-            storage.write_text_atomic(storage.join(self.cfg.job.dump_folder, "config.toml"), text)
+            storage.write_text(storage.join(self.cfg.job.dump_folder, "config.toml"), text)
         if self.cfg.job.print_config:
             logger.info("Resolved config:\n%s", text)
 
@@ -476,6 +552,9 @@ class Trainer:
                 return loss_sum, grad_norm
         if apply:
             factor = self._lr_factor(step)
+            if step in self._overflows:  # the drill (once): this update overflows (lr = inf)
+                self._overflows.discard(step)
+                factor = math.inf
             scheduled = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
                 g["lr"] = g["lr"] * factor

@@ -16,7 +16,9 @@ Per step, on the device and without a host synchronization:
 The host reads the per-step records only where it synchronizes anyway (log steps, checkpoint
 saves, the last step; at least every ``CAPACITY`` steps) and then names the ranks, writes one
 console line and one ``health.jsonl`` row per incident, and stops the run (``HealthStop``, exit
-code 4) when the policy says so or the anomalies persist. docs/health.md has the policies.
+code 4) when the policy says so or the anomalies persist. An update that overflows leaves the
+weights non-finite while its own loss and gradient norm were finite: the trainer checks the
+weights at every save point (``nonfinite_weights``). docs/health.md has the policies.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from titan_core import storage
 from titan_core.components.stragglers import Straggler
 from titan_core.config.job import Health
 from titan_core.errors import TitanError
@@ -168,10 +172,10 @@ class Incident:
     """One anomaly: a step, a quantity and its value, who saw it, and what was done."""
 
     step: int
-    quantity: str  # loss | grad_norm
-    kind: str  # nonfinite | spike
-    value: float
-    action: str  # skip | stop
+    quantity: str  # loss | grad_norm | weights | recompute
+    kind: str  # nonfinite | spike | sdc
+    value: float  # weights: the most non-finite tensors on one rank
+    action: str  # skip | stop | rollback: what was done
     ranks: list[int] | None = None  # whose own loss was not finite; None: a global quantity
     mean: float | None = None  # the window's statistics, for a spike
     std: float | None = None
@@ -183,6 +187,8 @@ class Incident:
         what = f"{self.quantity} {self.value:.6g}{where}"
         if self.kind == "sdc":  # value: the largest relative difference of the two passes
             what = f"recompute differs ({self.differs}, relative {self.value:.3g}){where}"
+        elif self.quantity == "weights":
+            what = f"weights in {self.value:.0f} tensors{where}"
         elif self.kind == "spike" and self.quantity == "grad_norm":  # judged in log space
             what += f" (window geometric mean {self.mean:.6g}, spread x{self.std:.3g})"
         elif self.kind == "spike":
@@ -240,6 +246,7 @@ class HealthGuard:
         self.loss_scale = loss_scale  # sum over ranks -> the logged mean (pp / world)
         self.min_history = max(min_history, cfg.spike_window)
         self.jsonl = os.path.join(folder, "health.jsonl") if is_rank0 else None  # local side folder
+        self._rows: storage.LineLog | None = None
         self.is_rank0 = is_rank0
         policy = {"nonfinite": cfg.nonfinite, "spike": cfg.spike, "sdc": cfg.sdc}
         self.action = {bit: policy[kind] for bit, _, kind in _KINDS}
@@ -256,6 +263,9 @@ class HealthGuard:
         self._consecutive = 0
         self.counts = Counts()
         self.rollback: Incident | None = None  # set by flush(): the trainer rolls back
+        self.rollback_blocker: Callable[[Incident], str | None] | None = None
+        """Set by the trainer: why a rollback for this incident cannot be done (no checkpoint
+        to go back to, too many rollbacks), or None; a blocked rollback stops the run."""
 
     def reset(self) -> None:
         """Start over after a rollback, as a resumed run does: an empty window, nothing
@@ -361,6 +371,7 @@ class HealthGuard:
             own = [g.tolist() for g in gathered]
         incidents: list[Incident] = []
         stop: Incident | None = None
+        why = ""  # the stop line's reason
         for i, row in enumerate(rows):
             code, skipped = int(row[2]), bool(row[4])
             self.counts.skipped_steps += skipped
@@ -396,27 +407,59 @@ class HealthGuard:
                 )
                 incidents.append(incident)
                 if action == "stop" and stop is None:
-                    stop = incident
+                    stop, why = incident, f"health.{kind} = stop: stopped before applying it"
                 if action == "rollback" and self.rollback is None:
                     self.rollback = incident
             if self.rollback is not None or stop is not None:
                 break  # nothing after it was applied: the rest of the records are moot
             if self._consecutive >= self.cfg.max_consecutive:
                 stop = incidents[-1]
+                why = (
+                    f"{self._consecutive} anomalous steps in a row (health.max_consecutive = "
+                    f"{self.cfg.max_consecutive}): stopped, none of them applied"
+                )
                 break
+        if stop is None and self.rollback is not None:
+            blocked = self._blocked(self.rollback)
+            if blocked is not None:
+                stop, why = self.rollback, blocked
+        if stop is not None:  # the stopping step's incidents say what was done: stop
+            self.rollback = None
+            for incident in incidents:
+                if incident.step == stop.step:
+                    incident.action = "stop"
         self._report(incidents)
         if stop is not None:
-            raise HealthStop(self._stop_line(stop))
+            raise HealthStop(f"{stop.line().split(' -> ')[0]}; {why}")
         return incidents
 
-    def _stop_line(self, incident: Incident) -> str:
-        first = incident.line().split(" -> ")[0]
+    def _blocked(self, incident: Incident) -> str | None:
+        """The stop line's reason when a rollback for ``incident`` cannot be done, else None."""
+        why = self.rollback_blocker(incident) if self.rollback_blocker is not None else None
+        return None if why is None else f"{why}: stopped"
+
+    def nonfinite_weights(self, step: int, counts: list[int]) -> None:
+        """The weights are not finite at a save point (``counts``: every rank's non-finite
+        tensors): an applied update overflowed, though its loss and gradient norm were finite.
+        An update cannot be unapplied, so skipping is no remedy: under ``rollback`` the trainer
+        rolls back (``rollback`` is set), under any other policy the run stops (``HealthStop``);
+        either way nothing is saved. Reported as an incident of its own."""
+        ranks = [r for r, n in enumerate(counts) if n]
+        policy = self.cfg.nonfinite
+        action = "rollback" if policy == "rollback" else "stop"
+        incident = Incident(step, "weights", "nonfinite", float(max(counts)), action, ranks)
+        why = "health.nonfinite = stop: stopped, nothing saved"
+        if policy == "skip":  # the update is in the weights already: skipping cannot undo it
+            why = (
+                "an applied update made them so, which health.nonfinite = skip cannot undo: "
+                "stopped, nothing saved"
+            )
+        if action == "rollback" and (blocked := self._blocked(incident)) is not None:
+            incident.action, why = "stop", blocked
+        self._report([incident])
         if incident.action == "stop":
-            return f"{first}; health.{incident.kind} = stop: stopped before applying it"
-        return (
-            f"{first}; {self._consecutive} anomalous steps in a row "
-            f"(health.max_consecutive = {self.cfg.max_consecutive}): stopped, none of them applied"
-        )
+            raise HealthStop(f"{incident.line().split(' -> ')[0]}; {why}")
+        self.rollback = incident
 
     def _report(self, incidents: list[Incident]) -> None:
         for incident in incidents:
@@ -437,9 +480,9 @@ class HealthGuard:
 
     def _append(self, rows: list[dict[str, Any]]) -> None:
         if self.jsonl is not None and rows:
-            os.makedirs(os.path.dirname(self.jsonl) or ".", exist_ok=True)
-            with open(self.jsonl, "a") as f:
-                f.write("".join(json.dumps(r) + "\n" for r in rows))
+            if self._rows is None:
+                self._rows = storage.LineLog(self.jsonl)
+            self._rows.write("".join(json.dumps(r) + "\n" for r in rows))
 
     def record_replica_groups(self, step: int, events: list[tuple[str, int, str]]) -> None:
         """Record what the fault-tolerant replica groups went through (a group left or joined,

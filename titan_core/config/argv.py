@@ -40,14 +40,24 @@ def _convert(key: str, spec: Spec, texts: list[str]) -> Any:
             try:
                 converted.append(from_text(spec.item, item))
             except ValueError:
-                raise ConfigError(f"--{key}: expected {spec.describe()}, got {item!r}") from None
+                expected = spec.describe(_number(item))
+                raise ConfigError(f"--{key}: expected {expected}, got {item!r}") from None
         return converted
     if not texts:
         raise ConfigError(f"--{key}: expected a value ({spec.describe()})")
     try:
         return from_text(spec, texts[0])
     except ValueError:
-        raise ConfigError(f"--{key}: expected {spec.describe()}, got {texts[0]!r}") from None
+        expected = spec.describe(_number(texts[0]))
+        raise ConfigError(f"--{key}: expected {expected}, got {texts[0]!r}") from None
+
+
+def _number(text: str) -> float | None:
+    """``text`` as a float, for the error's words (a float its dtype cannot hold), or None."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def _take_values(argv: list[str], i: int, spec: Spec) -> tuple[list[str], int]:

@@ -28,13 +28,21 @@ from typing import Any, Literal
 
 import tomli_w
 
-from titan_core.config.job import JobConfig
+from titan_core.config.job import JobConfig, UsedIn
 from titan_core.errors import ConfigError
 
 Scalar = bool | int | float | str
 
 # Floats must be finite: no setting means anything at inf or NaN (0 or -1 switch things off).
 _WORDS = {"bool": "true or false", "int": "an int", "float": "a finite float", "str": "a string"}
+# The largest finite and the smallest normal magnitude of each dtype a float setting may be used
+# in (``UsedIn``): above the first it is inf there, below the second it may be flushed to 0 (an
+# eps of 0 divides 0 by 0).
+DTYPE_RANGE = {
+    "float32": (3.4028234663852886e38, 1.1754943508222875e-38),
+    "bfloat16": (3.3895313892515355e38, 1.1754943508222875e-38),
+    "float16": (65504.0, 6.103515625e-05),
+}
 
 
 @dataclass(frozen=True)
@@ -44,9 +52,18 @@ class Spec:
     kind: Literal["bool", "int", "float", "str", "choice", "list"]
     choices: tuple[Any, ...] = ()
     item: Spec | None = None
+    dtype: str = ""
+    """A float's dtype on the device (``UsedIn``): its values must be ones that dtype holds."""
 
-    def describe(self) -> str:
-        """Human words for the accepted values, used in error messages."""
+    def describe(self, value: Any = None) -> str:
+        """Human words for the accepted values, used in error messages; for a finite number
+        ``value`` that this float's dtype cannot hold, the words say why."""
+        if self.dtype and _is_number(value) and math.isfinite(value):
+            largest, smallest = DTYPE_RANGE[self.dtype]
+            return (
+                f"a float that {self.dtype} holds (0 or a magnitude from {smallest:.4g} to "
+                f"{largest:.4g}: it is used in {self.dtype} arithmetic)"
+            )
         if self.kind == "choice":
             return "one of " + ", ".join(repr(c) for c in self.choices)
         if self.kind == "list":
@@ -56,7 +73,14 @@ class Spec:
 
 
 def spec_of(tp: Any) -> Spec:
-    """The ``Spec`` of a field's type hint."""
+    """The ``Spec`` of a field's type hint (``Annotated[float, UsedIn(dtype)]``: a float
+    checked against ``dtype``)."""
+    if typing.get_origin(tp) is typing.Annotated:
+        base, *marks = typing.get_args(tp)
+        used_in = [m.dtype for m in marks if isinstance(m, UsedIn)]
+        spec = spec_of(base)
+        assert spec.kind == "float" or not used_in, f"UsedIn marks floats, not {base!r}"
+        return dataclasses.replace(spec, dtype=used_in[0]) if used_in else spec
     if typing.get_origin(tp) is Literal:
         return Spec("choice", choices=typing.get_args(tp))
     if typing.get_origin(tp) is list:
@@ -80,7 +104,7 @@ def field_specs(cls: type, prefix: str = "") -> dict[str, Spec]:
     """The spec of every field of the dataclass ``cls`` by (dotted, ``prefix``-ed) name; the
     fields of a nested dataclass as ``name.field``. Also describes a command's own options."""
     out: dict[str, Spec] = {}
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             out |= field_specs(hints[f.name], f"{prefix}{f.name}.")
@@ -181,16 +205,26 @@ def from_text(spec: Spec, text: str) -> Any:
     if spec.kind == "int":
         return int(text)
     if spec.kind == "float":
-        return _finite(float(text))
+        return _finite(float(text), spec.dtype)
     if spec.kind == "choice":
         return spec.choices[[str(c) for c in spec.choices].index(text)]  # ValueError if absent
     assert spec.kind == "str", spec
     return text
 
 
-def _finite(value: float) -> float:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _finite(value: float, dtype: str = "") -> float:
+    """``value`` when it is finite (and, for a float used in ``dtype``, one that dtype holds:
+    neither inf there nor a nonzero that may become 0); else ValueError."""
     if not math.isfinite(value):
         raise ValueError(value)
+    if dtype:
+        largest, smallest = DTYPE_RANGE[dtype]
+        if abs(value) > largest or 0 < abs(value) < smallest:
+            raise ValueError(value)
     return value
 
 
@@ -202,7 +236,7 @@ def from_value(spec: Spec, value: Any) -> Any:
     if spec.kind == "int" and is_number and isinstance(value, int):
         return value
     if spec.kind == "float" and is_number:
-        return _finite(float(value))
+        return _finite(float(value), spec.dtype)
     if spec.kind == "str" and isinstance(value, str):
         return value
     if spec.kind == "choice" and any(type(c) is type(value) and c == value for c in spec.choices):
@@ -240,7 +274,7 @@ def typed_values(values: Mapping[str, Any], config_cls: type = JobConfig) -> dic
         try:
             out[name] = from_value(specs[name], value)
         except ValueError:
-            expected = specs[name].describe()
+            expected = specs[name].describe(value)
             raise ConfigError(f"{name}: expected {expected}, got {value!r}") from None
     return out
 
@@ -292,7 +326,7 @@ def validate(cfg: JobConfig) -> None:
         try:
             from_value(spec, value)
         except ValueError:
-            raise ConfigError(f"{key}: expected {spec.describe()}, got {value!r}") from None
+            raise ConfigError(f"{key}: expected {spec.describe(value)}, got {value!r}") from None
     for obj in [*_section_objects(cfg), cfg]:
         post_init = getattr(obj, "__post_init__", None)
         if post_init is not None:

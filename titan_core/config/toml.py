@@ -138,4 +138,5 @@ def _toml_value(path: str, key: str, spec: Spec, value: Any) -> Any:
     try:
         return from_value(spec, value)
     except ValueError:
-        raise ConfigError(f"{path}: {key}: expected {spec.describe()}, got {value!r}") from None
+        expected = spec.describe(value)
+        raise ConfigError(f"{path}: {key}: expected {expected}, got {value!r}") from None
