@@ -113,6 +113,29 @@ def test_failures_map_to_clear_retryable_or_final_errors() -> None:
     assert str(agent) == "training: the launcher (torchrun) was killed by SIGTERM"
 
 
+def test_a_lost_lighthouse_is_one_line_relaunched_unless_it_is_the_users_own() -> None:
+    """Exit code 5 (replica groups that lost their lighthouse): the first line naming it (the
+    step of the first failed quorum; a restarted group's line comes later) and exit code 5,
+    locally and on Slurm; relaunched, unless it was ``fault_tolerance.lighthouse``."""
+    from titan_core.config.job import FaultTolerance
+    from titan_core.launch.replica_groups import ReplicaGroupsLauncher
+    from titan_core.launch.slurm import _job_error
+
+    lost = "lost the replica groups' lighthouse http://h:1 at step 7 (no quorum, and it does not…"
+    restarted = "the replica groups' lighthouse http://h:1 does not answer (connection refused)"
+    tail = [f"[rank0]:error: {lost}", f"[rank0]:error: {restarted}", *_torchrun_report(5, 0)]
+    own = ReplicaGroupsLauncher(FaultTolerance(enable=True), 2)
+    users = ReplicaGroupsLauncher(FaultTolerance(enable=True, lighthouse="http://h:1"), 2)
+    local = own.verdict(describe_failure(1, tail))
+    assert str(local) == f"training: {lost}" and local.retryable and local.exit_code == 5
+    final = users.verdict(describe_failure(1, tail))
+    assert str(final) == f"training: {lost}" and not final.retryable and final.exit_code == 5
+    on_slurm = _job_error("7", "FAILED", "1:0", "", tail, Path("slurm-7.out"))
+    assert f"FAILED (exit code 1:0): {lost}; output in" in str(on_slurm) and on_slurm.retryable
+    assert on_slurm.exit_code == 5 and not users.verdict(on_slurm).retryable
+    assert users.verdict(describe_failure(1, _torchrun_report(3))).retryable  # not the lighthouse
+
+
 SLEEPER = textwrap.dedent(
     """
     import os, time

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import titan_in_process
+from helpers import TINY, free_port, process_env, titan_in_process, wait_until
 
 from titan_core.data.reader import DUMP_ENV
-from titan_core.distributed.fault_tolerance import DIGEST_ENV, KILL_ENV, SLOW_ENV
+from titan_core.distributed.fault_tolerance import DIGEST_ENV, KILL_ENV, LIGHTHOUSE_ENV, SLOW_ENV
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,6 +33,15 @@ def dataset(prepared_corpus: str) -> str:
     return prepared_corpus
 
 
+def _train_argv(dump: Path, dataset: str, steps: int, *extra: str, ngpu: int = 4) -> list[str]:
+    argv = [sys.executable, "-m", "titan_core.cli", "train", "--ngpu", str(ngpu), "--log-rank"]
+    argv += ["all"]
+    argv += ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
+    argv += ["--job.dump_folder", str(dump), "--training.steps", str(steps)]
+    argv += ["--dataloader.dataset", dataset, "--validation.no_enable", "--metrics.log_freq", "1"]
+    return [*argv, "--checkpoint.interval", "100", "--checkpoint.no_last_save_model_only", *extra]
+
+
 def _train(
     dump: Path,
     dataset: str,
@@ -41,12 +50,7 @@ def _train(
     env: dict[str, str] | None = None,
     ngpu: int = 4,
 ) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "titan_core.cli", "train", "--ngpu", str(ngpu), "--log-rank"]
-    argv += ["all"]
-    argv += ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
-    argv += ["--job.dump_folder", str(dump), "--training.steps", str(steps)]
-    argv += ["--dataloader.dataset", dataset, "--validation.no_enable", "--metrics.log_freq", "1"]
-    argv += ["--checkpoint.interval", "100", "--checkpoint.no_last_save_model_only", *extra]
+    argv = _train_argv(dump, dataset, steps, *extra, ngpu=ngpu)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
 
@@ -161,6 +165,90 @@ def test_a_rollback_takes_every_group_back_to_the_same_checkpoint(
         ], rows
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").open()]
     assert steps == [1, 2, 3, 4, 5, 5, 6, 7, 8], steps
+
+
+def test_a_lost_lighthouse_ends_the_job_in_one_line_naming_it(tmp_path: Path, dataset: str) -> None:
+    """A lighthouse of the user's own (``python -m titan_core.launch.lighthouse``, what the Slurm
+    script runs) is SIGKILLed mid-run: each group's next quorum fails (after the quorum
+    timeout), its ranks find the lighthouse gone and exit 5. The job ends with one line (not
+    one per group) naming the lighthouse and the step, exit code 5, and no traceback."""
+    env_file, dump = tmp_path / "lighthouse.env", tmp_path / "run"
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "titan_core.launch.lighthouse", "--host", "127.0.0.1",
+         "--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "500",
+         "--out", str(env_file)],
+        env=process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    proc = None
+    try:
+        wait_until(env_file.exists, timeout=120, what="the lighthouse's addresses")
+        address = dict(line.split("=", 1) for line in env_file.read_text().split())[LIGHTHOUSE_ENV]
+        extra = [*FT, "--fault_tolerance.lighthouse", address]
+        extra += ["--fault_tolerance.quorum_timeout_seconds", "5"]  # how soon the loss is seen
+        with out.open("w") as stdout, err.open("w") as stderr:
+            argv = _train_argv(dump, dataset, 500, *extra, ngpu=2)
+            proc = job = subprocess.Popen(argv, stdout=stdout, stderr=stderr, env=process_env())
+        logs = [dump / "metrics.jsonl", dump / "group-1" / "metrics.jsonl"]
+        wait_until(  # both groups in the quorum: each logged a step
+            lambda: all(f.exists() and f.read_text() for f in logs) or job.poll() is not None,
+            timeout=300,
+            what="a step of each group",
+        )
+        lighthouse.kill()
+        assert job.wait(timeout=300) == 5, out.read_text()[-5000:] + err.read_text()
+    finally:
+        for p in (lighthouse, proc):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    shown, said = out.read_text(), err.read_text()
+    assert "Traceback" not in shown + said, shown[-5000:] + said
+    last = {max(json.loads(line)["step"] for line in f.open()) for f in logs}
+    step = re.search(r" at step (\d+) ", said)
+    assert step is not None and int(step.group(1)) - 1 in last, (said, last)
+    assert said == (
+        f"error: training: lost the replica groups' lighthouse {address} at step {step.group(1)} "
+        "(no quorum, and it does not answer: connection refused); start it again, then relaunch\n"
+    )
+    assert shown.count("]:error: lost the replica groups' lighthouse") == 2  # each group's rank
+
+
+def test_a_group_that_starts_without_its_lighthouse_fails_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group that torchrun restarts after the lighthouse was lost (or one started by hand
+    against a dead one) fails in one line, exit code 5, before torchft's manager would wait out
+    its connect timeout; "start it again" only for a lighthouse of the user's own."""
+    from titan_core.config.job import FaultTolerance
+    from titan_core.distributed.fault_tolerance import LighthouseLost, ReplicaGroup
+
+    address = f"http://127.0.0.1:{free_port()}"
+    said = f"the replica groups' lighthouse {address} does not answer (connection refused)"
+    users = FaultTolerance(enable=True, group_id=1, lighthouse=address)
+    with pytest.raises(LighthouseLost) as info:
+        ReplicaGroup(users, 2, torch.device("cpu"), {}, lambda: None)
+    assert str(info.value) == f"{said}; start it again, then relaunch"
+    assert info.value.exit_code == 5
+    monkeypatch.setenv(LIGHTHOUSE_ENV, address)  # the launcher's own
+    own = FaultTolerance(enable=True, group_id=1)
+    with pytest.raises(LighthouseLost, match=f"^{re.escape(said)}$"):
+        ReplicaGroup(own, 2, torch.device("cpu"), {}, lambda: None)
+
+
+def test_train_ngpu_refuses_an_unreachable_lighthouse_before_starting(
+    tmp_path: Path, dataset: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``titan train --ngpu`` makes titan launch's check (the launcher's probe) before anything
+    starts: one line, exit code 2, no worker (no output at all, no dump folder)."""
+    address = f"http://127.0.0.1:{free_port()}"
+    argv = ["train", "--ngpu", "4", *TINY, "--job.dump_folder", str(tmp_path / "run")]
+    argv += ["--dataloader.dataset", dataset, *FT, "--fault_tolerance.lighthouse", address]
+    code, out, err = titan_in_process(argv, capsys)
+    assert (code, out) == (2, "")
+    refused = "unreachable (connection refused)"
+    assert err == f"error: fault_tolerance.lighthouse: {address}: {refused}\n"
+    assert not (tmp_path / "run").exists()
 
 
 def _model_digests(out: str) -> dict[tuple[str, str], str]:

@@ -54,13 +54,14 @@ def _launch(argv: list[str]) -> int:
     cfg = parse_args(config_argv)
     if ns.dry_run:
         check_job(cfg, cfg.launch.nnodes * cfg.launch.nproc_per_node)
-    else:  # the pipeline's preflight: dry run on fake process groups, memory budget
+    else:  # the pipeline's preflight: the launcher's probe of this machine (as titan train
+        # --ngpu's), dry run on fake process groups, memory budget
         from titan_core.pipeline.stages.preflight import preflight_checks
 
         preflight_checks(cfg)
-        from titan_core.storage import check_writable
+        from titan_core.build import check_outputs_writable
 
-        check_writable(cfg.job.dump_folder, "job.dump_folder")
+        check_outputs_writable(cfg)  # the dump and checkpoint folders
     launcher = job_launcher(cfg)
     spec = LaunchSpec(
         args=config_argv,
@@ -71,7 +72,6 @@ def _launch(argv: list[str]) -> int:
     if ns.dry_run:
         print(launcher.render(spec).rstrip("\n"))
         return 0
-    launcher.probe()
     result = launcher.run(spec, on_line=lambda line: print(line, flush=True))
     job = f" (Slurm job {result.job_id})" if result.job_id else ""
     print(f"launch: {cfg.launch.backend} job finished in {result.elapsed_s:.1f}s{job}")

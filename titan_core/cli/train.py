@@ -61,15 +61,17 @@ def train(ngpu: int, log_rank: str, rest: list[str], dry_run: bool = False) -> i
 
         cfg = parse_args(rest)
         check_job(cfg, ngpu)  # a bad config fails here, before torchrun starts or is printed
-        if not dry_run:
-            from titan_core.storage import check_writable
-
-            check_writable(cfg.job.dump_folder, "job.dump_folder")
     if ngpu > 1:
         launcher, spec = local_train_launch(cfg, rest, ngpu, log_rank)
         if dry_run:
             print(launcher.render(spec))
             return 0
+        # What titan launch's preflight checks on this machine, by the same call: e.g. that a
+        # configured fault_tolerance.lighthouse answers, before any worker starts.
+        launcher.probe()
+        from titan_core.build import check_outputs_writable
+
+        check_outputs_writable(cfg)  # the dump and checkpoint folders
         # Supervised as titan launch's jobs are: a rank's failure is one line, its exit code
         # kept where a relaunch would fail the same way (a full disk: 2), and no process stays.
         launcher.run(spec, on_line=lambda line: print(line, flush=True))

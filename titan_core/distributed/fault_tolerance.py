@@ -27,7 +27,9 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import time
+import urllib.parse
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -39,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from titan_core.config.job import FaultTolerance, JobConfig
-from titan_core.errors import CommError, ConfigError, first_line
+from titan_core.errors import CommError, ConfigError, TitanError, first_line
 from titan_core.logging import logger
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -87,6 +89,24 @@ def lighthouse_address(ft: FaultTolerance) -> str:
             f"${LIGHTHOUSE_ENV})"
         )
     return address
+
+
+class LighthouseLost(TitanError):
+    """The replica groups' lighthouse does not answer: no quorum, so no step (exit code 5)."""
+
+    exit_code = 5
+
+
+def lighthouse_unreachable(address: str, timeout_s: float = 3.0) -> str | None:
+    """Why nothing answers at the lighthouse ``address`` (``connection refused``), or None when
+    something listens there. The one check of the launchers (before they start anything) and of
+    the ranks (when they start, and when a quorum failed)."""
+    parsed = urllib.parse.urlsplit(address)
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port or 80), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return (e.strerror or str(e) or type(e).__name__).lower()
 
 
 def maybe_kill(step: int, who: int) -> None:
@@ -267,6 +287,14 @@ class ReplicaGroup:
             )
         self.group_id, self.groups = cfg.group_id, groups
         self.states, self.on_heal = states, on_heal
+        # Before torchft's Manager, which would wait out its connect timeout and fail with a
+        # traceback (a group restarted after the lighthouse was lost fails here, in seconds).
+        self.lighthouse, self.external = lighthouse_address(cfg), bool(cfg.lighthouse)
+        if why := lighthouse_unreachable(self.lighthouse):
+            raise LighthouseLost(
+                f"the replica groups' lighthouse {self.lighthouse} does not answer ({why})"
+                + self._relaunch_hint()
+            )
         timeout = timedelta(seconds=cfg.timeout_seconds)
 
         class SafeHTTPTransport(HTTPTransport):
@@ -309,7 +337,7 @@ class ReplicaGroup:
             use_async_quorum=False,  # a healed group takes part in the very step it healed at
             init_sync=False,  # every group starts from the same seed (or checkpoint)
             replica_id=f"titan_group_{cfg.group_id}",
-            lighthouse_addr=lighthouse_address(cfg),
+            lighthouse_addr=self.lighthouse,
             store_addr=store_addr,
             store_port=store_port,
             rank=dist.get_rank() if dist.is_initialized() else 0,
@@ -384,7 +412,11 @@ class ReplicaGroup:
         when it healed."""
         self._healed = False
         start = time.perf_counter()
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception:
+            self._raise_if_lighthouse_lost()
+            raise
         live = self.manager.num_participants()
         if live != self.live:
             if self.live:
@@ -403,6 +435,24 @@ class ReplicaGroup:
             logger.info("fault tolerance: %s (quorum included)", line)
             self.events.append(("healed", live, line))
         return self._healed
+
+    def _raise_if_lighthouse_lost(self) -> None:
+        """After a failed quorum: ``LighthouseLost`` (one line, naming the lighthouse and the
+        step) when the lighthouse does not answer, whatever torchft raised for it."""
+        if not (why := lighthouse_unreachable(self.lighthouse)):
+            return
+        train_state = self.states.get("train_state")
+        step = getattr(train_state, "step", None)
+        at = f" at step {step + 1}" if self.live and step is not None else " before its first step"
+        raise LighthouseLost(
+            f"lost the replica groups' lighthouse {self.lighthouse}{at} (no quorum, and it does "
+            f"not answer: {why})" + self._relaunch_hint()
+        ) from None
+
+    def _relaunch_hint(self) -> str:
+        """What to do: a lighthouse of the user's own must be running again before a relaunch
+        (the launchers do not relaunch then); a launcher's own is started anew by a relaunch."""
+        return "; start it again, then relaunch" if self.external else ""
 
     def maybe_slow(self) -> None:
         """The drill of ``SLOW_ENV``: while a group is missing, each step waits (tests only)."""

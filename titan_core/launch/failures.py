@@ -3,8 +3,9 @@
 torchrun exits 1 when a worker fails and prints a "Root Cause" block naming the first failed
 rank and its exit code (negative: killed by that signal). The training entry point exits 2 on a
 user error after printing one ``error: ...`` line, which is not worth a relaunch, 3 when a
-collective failed (the line names the flight-recorder folder), which is, and 4 when the step
-guard stopped the run (``[health]``), which is not.
+collective failed (the line names the flight-recorder folder), which is, 4 when the step
+guard stopped the run (``[health]``), which is not, and 5 when the replica groups lost their
+lighthouse (worth a relaunch when the launcher starts a new one: ``replica_groups``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 TAIL_LINES = 400
 USER_ERROR_EXIT = 2  # titan_core.train: a TitanError (bad config, missing data)
 HEALTH_STOP_EXIT = 4  # titan_core.train: the step guard stopped the run (docs/health.md)
+LIGHTHOUSE_LOST_EXIT = 5  # titan_core.train: the replica groups' lighthouse does not answer
 # titan_core.train exits 3 on a CommError (a collective failed: dead or stuck peer), retryable.
 # Exit codes whose relaunch would fail the same way: bad input, or the step guard's stop (a
 # relaunch resumes from the same checkpoint and meets the same anomaly).
@@ -53,7 +55,10 @@ class LaunchError(RuntimeError):
     @property
     def exit_code(self) -> int:
         """What a command exits with: the ranks' own code where a relaunch would fail the same
-        way (2: the user must act; 4: the health guard stopped the run), else 1."""
+        way (2: the user must act; 4: the health guard stopped the run) and when the replica
+        groups lost their lighthouse (5), else 1."""
+        if self.exitcode == LIGHTHOUSE_LOST_EXIT:
+            return LIGHTHOUSE_LOST_EXIT
         return self.exitcode if self.exitcode in _NOT_RETRIED and not self.retryable else 1
 
 
@@ -80,9 +85,11 @@ def _root_cause(tail: Sequence[str]) -> tuple[int | None, int | None]:
     return rank, exitcode
 
 
-def _user_error(tail: Sequence[str]) -> str | None:
-    for line in reversed(tail):
-        if m := USER_ERROR_RE.search(line.strip()):
+def _user_error(tail: Sequence[str], naming: str = "") -> str | None:
+    """The last ``error:`` line of ``tail``; with ``naming``, the first one that contains it."""
+    lines = tail if naming else list(reversed(tail))
+    for line in lines:
+        if (m := USER_ERROR_RE.search(line.strip())) and naming in m.group(1):
             return m.group(1).strip()
     return None
 
@@ -107,6 +114,16 @@ def describe_failure(returncode: int, tail: Sequence[str], what: str = "training
             exitcode=code,
             rank=rank,
             retryable=False,
+        )
+    if code == LIGHTHOUSE_LOST_EXIT:
+        # The first such line: the step where it was lost (a restarted group's line lacks it).
+        said = _user_error(tail, naming="lighthouse")
+        return LaunchError(
+            f"{what}: " + (said or f"{where} lost the replica groups' lighthouse (exit code 5)"),
+            returncode=returncode,
+            exitcode=code,
+            rank=rank,
+            retryable=True,  # a launch that starts its own lighthouse; see replica_groups
         )
     if code < 0:
         hint = " (out of memory, or killed from outside)" if -code == signal.SIGKILL else ""

@@ -11,20 +11,20 @@ every group as a job step of its own on ``launch.nnodes / groups`` nodes
 that group only.
 
 Either way the job succeeds when at least one group finishes; a group that fails for good is
-reported in the log.
+reported in the log. When the lighthouse is lost every group fails (exit code 5): the job's one
+line names it, and a relaunch is worth it only where the launch starts a lighthouse of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import socket
-import urllib.parse
 
 from titan_core.config.job import FaultTolerance, JobConfig, Launch
-from titan_core.distributed.fault_tolerance import LIGHTHOUSE_ENV
+from titan_core.distributed.fault_tolerance import LIGHTHOUSE_ENV, lighthouse_unreachable
 from titan_core.errors import ConfigError
 from titan_core.launch import slurm_script
+from titan_core.launch.failures import LIGHTHOUSE_LOST_EXIT, LaunchError
 from titan_core.launch.local import LocalLauncher
 from titan_core.launch.slurm import SlurmLauncher
 from titan_core.launch.spec import LaunchResult, LaunchSpec, LineCallback
@@ -34,15 +34,8 @@ from titan_core.launch.torchrun import shell_lines
 
 def check_lighthouse(address: str, timeout_s: float = 3.0) -> None:
     """One ``ConfigError`` line unless something listens at the lighthouse ``address``."""
-    parsed = urllib.parse.urlsplit(address)
-    try:
-        with socket.create_connection((parsed.hostname, parsed.port or 80), timeout=timeout_s):
-            pass
-    except OSError as e:
-        why = e.strerror or type(e).__name__
-        raise ConfigError(
-            f"fault_tolerance.lighthouse: {address}: unreachable ({why.lower()})"
-        ) from None
+    if why := lighthouse_unreachable(address, timeout_s):
+        raise ConfigError(f"fault_tolerance.lighthouse: {address}: unreachable ({why})")
 
 
 class ReplicaGroupsLauncher:
@@ -117,7 +110,22 @@ class ReplicaGroupsLauncher:
         return shell_lines(self.commands(spec, address), spec)
 
     def run(self, spec: LaunchSpec, on_line: LineCallback) -> LaunchResult:
-        """Start the lighthouse (unless configured) and the groups; stream their output."""
+        """Start the lighthouse (unless configured) and the groups; stream their output. A lost
+        lighthouse is relaunched only where the launch starts its own (a relaunch cannot bring
+        back ``fault_tolerance.lighthouse``: its preflight would refuse it)."""
+        try:
+            return self._run(spec, on_line)
+        except LaunchError as e:
+            self.verdict(e)
+            raise
+
+    def verdict(self, error: LaunchError) -> LaunchError:
+        """``error``, final (not relaunched) when the groups lost ``fault_tolerance.lighthouse``."""
+        if error.exitcode == LIGHTHOUSE_LOST_EXIT and self.ft.lighthouse:
+            error.retryable = False
+        return error
+
+    def _run(self, spec: LaunchSpec, on_line: LineCallback) -> LaunchResult:
         if spec.launch.backend == "slurm":
             self.check(spec.launch)
             return self.slurm.run(spec, on_line)

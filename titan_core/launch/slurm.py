@@ -19,11 +19,12 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from titan_core import storage
 from titan_core.config.job import Launch
 from titan_core.errors import ConfigError
 from titan_core.launch import slurm_script
@@ -185,11 +186,9 @@ class SlurmLauncher:
 
 def _write_script(log_dir: Path, text: str) -> Path:
     """The batch script, written to a file of its own in the log folder."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix="sbatch-", suffix=".sh", dir=log_dir)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return Path(name)
+    path = log_dir / f"sbatch-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.sh"
+    storage.write_text(str(path), text)
+    return path
 
 
 def _submit(submit: list[str], env: dict[str, str], script: Path) -> str:
@@ -394,11 +393,12 @@ def _job_error(
     code, _, sig = exit_code.partition(":")
     returncode = int(code) if code.isdigit() and int(code) else 1
     retryable = _RETRYABLE_STATES.get(state, True)
-    detail = ""
+    detail, exitcode = "", None
     if any("Root Cause" in line or USER_ERROR_RE.search(line) for line in tail):
         torchrun = describe_failure(returncode, tail)
         detail = ": " + str(torchrun).removeprefix("training: ")
         retryable = retryable and torchrun.retryable
+        exitcode = torchrun.exitcode  # the ranks' own code (a lost lighthouse: 5)
     elif task := next((m for line in tail if (m := _SRUN_TASK_RE.search(line))), None):
         detail = f": job step task {task['task']} on {task['node']}: {task['what']}"
     elif returncode > 128:
@@ -410,6 +410,7 @@ def _job_error(
         f"training: Slurm job {job_id} ended {state} (exit code {exit_code or '?'}{why})"
         f"{detail}; output in {path}",
         returncode=returncode,
+        exitcode=exitcode,
         retryable=retryable,
     )
 
