@@ -89,3 +89,18 @@ def titan_in_process(argv: list[str], capsys: object) -> tuple[int, str, str]:
     code = main(argv)
     captured = capsys.readouterr()  # type: ignore[attr-defined]
     return code, captured.out, captured.err
+
+
+def checkpoint_tensors(step_dir: Path) -> dict:
+    """Every tensor of a (single-process) DCP checkpoint on disk: model and optimizer state."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    state = {
+        key: torch.empty(m.size, dtype=m.properties.dtype)
+        for key, m in meta.items()
+        if key.startswith(("model.", "optimizer.")) and hasattr(m, "size")
+    }
+    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    return state

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from helpers import process_env
+from helpers import checkpoint_tensors, process_env
 from parallel_harness import MODEL, QWEN3_MOE_MODEL, launch_job
 
 from titan_core.checkpoint.manager import COMMIT_MARKER, complete_steps
@@ -218,18 +217,6 @@ def _args(dump: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _tensors(step_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a (single-process) DCP checkpoint: model and optimizer state."""
-    meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    state = {
-        key: torch.empty(m.size, dtype=m.properties.dtype)
-        for key, m in meta.items()
-        if key.startswith(("model.", "optimizer.")) and hasattr(m, "size")
-    }
-    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
-    return state
-
-
 def _marker(step_dir: Path) -> dict:
     return json.loads((step_dir / COMMIT_MARKER).read_text())
 
@@ -238,7 +225,9 @@ def test_a_skipped_step_leaves_weights_and_optimizer_bitwise_as_before(
     tmp_path: Path, assets: Path
 ) -> None:
     history = run(parse_args(_args(tmp_path, "--debug.inject", "nan_grad:4", "--debug.drill")))
-    before, skipped, after = (_tensors(tmp_path / "checkpoint" / f"step-{s}") for s in (3, 4, 5))
+    before, skipped, after = (
+        checkpoint_tensors(tmp_path / "checkpoint" / f"step-{s}") for s in (3, 4, 5)
+    )
     assert before.keys() == skipped.keys() and any(".step" in k for k in before)
     for key in before:
         assert torch.equal(before[key], skipped[key]), key  # moments and step counters included
@@ -549,7 +538,7 @@ def test_rollback_equals_a_resume_that_excludes_the_same_samples(
     shutil.copytree(run_dir / "checkpoint" / "step-4", ref_dir / "checkpoint" / "step-4")
     launch_job(_rollback_args(ref_dir, prepared, "--dataloader.exclude", "16:24"), ref_dir,
                backend="local", nproc_per_node=2)  # fmt: skip
-    got, want = (_tensors(d / "checkpoint" / "step-10") for d in (run_dir, ref_dir))
+    got, want = (checkpoint_tensors(d / "checkpoint" / "step-10") for d in (run_dir, ref_dir))
     assert got.keys() == want.keys() and any(k.startswith("optimizer.") for k in got)
     for key in want:
         assert torch.equal(got[key], want[key]), key
@@ -604,7 +593,7 @@ def test_a_rollback_to_the_seed_skips_the_samples_since_the_start(
     rows = [json.loads(line) for line in (run_dir / "health.jsonl").read_text().splitlines()]
     assert rows[-1] == {"step": 3, "action": "rollback", "to_step": 0, "skipped_samples": [0, 12]}
     run(parse_args(_args(ref_dir, *common, "--dataloader.exclude", "0:12")))
-    got, want = (_tensors(d / "checkpoint" / "step-5") for d in (run_dir, ref_dir))
+    got, want = (checkpoint_tensors(d / "checkpoint" / "step-5") for d in (run_dir, ref_dir))
     assert got.keys() == want.keys() and any(k.startswith("optimizer.") for k in got)
     for key in want:
         assert torch.equal(got[key], want[key]), key

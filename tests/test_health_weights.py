@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from helpers import TINY, titan_in_process
+from helpers import TINY, checkpoint_tensors, titan_in_process
 
 from titan_core.checkpoint.manager import COMMIT_MARKER, CheckpointManager, complete_steps
 from titan_core.components.health import HealthStop
@@ -42,13 +41,7 @@ def _args(dump: Path, *extra: str) -> list[str]:
 def _nonfinite(step_dir: Path) -> list[str]:
     """The tensors of a (single-process) checkpoint on disk, model and optimizer state, that
     hold a NaN or an inf."""
-    meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    state = {
-        key: torch.empty(m.size, dtype=m.properties.dtype)
-        for key, m in meta.items()
-        if key.startswith(("model.", "optimizer.")) and hasattr(m, "size")
-    }
-    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    state = checkpoint_tensors(step_dir)
     assert any(k.startswith("model.") for k in state) and any(k.startswith("optim") for k in state)
     return [key for key, t in state.items() if not torch.isfinite(t).all()]
 
