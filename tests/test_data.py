@@ -340,4 +340,4 @@ def test_forced_build_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(RuntimeError):
         ensure_assets(root, force=True)
     assert (root / "DONE").exists()  # the previous complete build is untouched
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".assets.lock", "assets"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["assets"]  # no temp folder, no lock file

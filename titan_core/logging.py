@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 logger = logging.getLogger("titan")
 RANK_PREFIX_ENV = "TITAN_LOG_RANK_PREFIX"
@@ -13,16 +15,30 @@ RANK_PREFIX_ENV = "TITAN_LOG_RANK_PREFIX"
 
 class _StdoutHandler(logging.StreamHandler):
     """Writes to ``sys.stdout`` as it is when a line is logged (a redirect, a test's capture),
-    not to the stream that was there when the logger was configured, which may be closed."""
+    not to the stream that was there when the logger was configured, which may be closed;
+    to ``sys.stderr`` inside ``logs_to_stderr``."""
+
+    to_stderr = 0
 
     @property  # type: ignore[override]
     def stream(self) -> object:
-        """The current ``sys.stdout``."""
-        return sys.stdout
+        """The current ``sys.stdout`` (``sys.stderr`` inside ``logs_to_stderr``)."""
+        return sys.stderr if _StdoutHandler.to_stderr else sys.stdout
 
     @stream.setter
     def stream(self, value: object) -> None:
         pass  # StreamHandler.__init__ sets it: always the current sys.stdout instead
+
+
+@contextlib.contextmanager
+def logs_to_stderr() -> Iterator[None]:
+    """The engine's log lines go to stderr in the body: a command whose stdout is data
+    (``--json``) keeps it clean whatever logs while it runs."""
+    _StdoutHandler.to_stderr += 1
+    try:
+        yield
+    finally:
+        _StdoutHandler.to_stderr -= 1
 
 
 def init_logger(level: int = logging.INFO) -> None:

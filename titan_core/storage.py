@@ -83,31 +83,32 @@ def writing_errors(path: str) -> contextlib.AbstractContextManager[None]:
 
 
 @contextlib.contextmanager
-def open_write(path: str, mode: str = "w") -> Iterator[IO[Any]]:
+def open_write(path: str, mode: str = "w", *, raw_errors: bool = False) -> Iterator[IO[Any]]:
     """The file ``path`` (``"w"`` text, ``"wb"`` bytes), written whole: into a temp file beside
     it that replaces it when the body is done (a URL: a buffer, one PUT), so that readers never
     see half a file. Missing folders are made; a failure (a full disk, an exception in the body,
-    Ctrl-C) removes the temp file and the folders made for it."""
+    Ctrl-C) removes the temp file and the folders made for it (``raw_errors``: storage errors
+    as they are, for a caller that tells them apart, as ``output_path``)."""
     if mode not in ("w", "wb"):
         raise ValueError(f"open_write: mode {mode!r}, expected 'w' or 'wb'")
     if is_url(path):
         buffer: IO[Any] = io.StringIO() if mode == "w" else io.BytesIO()
         yield buffer
         data = buffer.getvalue()
-        with writing_errors(path):
+        with contextlib.nullcontext() if raw_errors else writing_errors(path):
             fs, p = filesystem(path)
             fs.pipe_file(p, data.encode() if isinstance(data, str) else data)
         return
     encoding = {"encoding": "utf-8"} if mode == "w" else {}
-    with output_path(path) as tmp, open(tmp, mode, **encoding) as f:
+    with output_path(path, raw_errors=raw_errors) as tmp, open(tmp, mode, **encoding) as f:
         yield f
         f.flush()
         os.fsync(f.fileno())
 
 
-def write_text(path: str, text: str) -> None:
+def write_text(path: str, text: str, *, raw_errors: bool = False) -> None:
     """Write a text file whole (``open_write``)."""
-    with open_write(path) as f:
+    with open_write(path, raw_errors=raw_errors) as f:
         f.write(text)
 
 

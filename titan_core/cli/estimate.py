@@ -8,6 +8,7 @@ The config arguments resolve exactly as for ``titan train``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from titan_core.cli.command import Command, run
 from titan_core.errors import ConfigError
 from titan_core.estimate import estimate, fits
 from titan_core.estimate.report import GIB, print_report
+from titan_core.logging import logs_to_stderr
 from titan_core.resolve import parse_args
 
 
@@ -43,7 +45,8 @@ def _estimate(argv: list[str]) -> int:
     ns = parsed.options
     if ns.device_memory < 0:
         raise ConfigError(f"--device-memory: expected GiB >= 0, got {ns.device_memory}")
-    est = estimate(parse_args(parsed.config.argv()), ns.ngpu)
+    with logs_to_stderr() if ns.json else contextlib.nullcontext():  # stdout: the JSON alone
+        est = estimate(parse_args(parsed.config.argv()), ns.ngpu)
     device_bytes = int(ns.device_memory * GIB)
     if ns.json:
         out = est.to_dict()

@@ -85,7 +85,7 @@ def check_storage(url: str, key: str = "job.dump_folder") -> None:
     probe = storage.join(url, f".titan-probe-{uuid.uuid4().hex[:8]}")
     try:
         fs, path = storage.filesystem(probe)
-        storage.write_text(probe, "probe")
+        storage.write_text(probe, "probe", raw_errors=True)  # described below, by kind
         ok = storage.read_text(probe) == "probe"
         fs.rm(path)
     except Exception as e:
@@ -180,7 +180,9 @@ def upload_folder(
     files = list(_local_files(local_dir)) if os.path.isdir(local_dir) else []
     if not files:
         return []
-    bar = _Bar(sum(os.path.getsize(f) for f, _ in files), f"upload {url}", progress)
+    # A bar where bytes cross to a store (a local copy does not report them, and is quick).
+    enabled = progress and storage.is_url(url)
+    bar = _Bar(sum(os.path.getsize(f) for f, _ in files), f"upload {url}", enabled)
     uploaded = []
     try:
         for full, rel in files:
