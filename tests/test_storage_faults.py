@@ -269,6 +269,15 @@ def test_retention_makes_room_when_the_disk_is_full(
 PREPARE_MOMENTS = {"first-shard": 1, "half-the-shards": 8, "manifest": -1}
 
 
+def _found(folder: Path, pattern: str) -> list[Path]:
+    """``folder.glob(pattern)``, empty while ``folder`` comes and goes (the CLI's write check
+    makes the output folder and removes it again before the prepare starts)."""
+    try:
+        return list(folder.glob(pattern))
+    except FileNotFoundError:
+        return []
+
+
 def _prepare_until(out: Path, moment: int, sig: int, cwd: Path, partner: bool) -> None:
     """Start ``titan data prepare`` of the bundled corpus into ``out`` (and, with ``partner``, a
     second one of the same dataset beside it, left to finish); send ``sig`` to the first when
@@ -285,8 +294,9 @@ def _prepare_until(out: Path, moment: int, sig: int, cwd: Path, partner: bool) -
     other = subprocess.Popen(argv, **pipes) if partner else None  # type: ignore[call-overload]
     deadline = time.monotonic() + 120
     while victim.poll() is None and time.monotonic() < deadline:
-        shard_files = list(out.glob("*/shards/*.tokens"))
-        done = list(out.glob("*/manifest.json")) if moment < 0 else []
+        # staged (``.staging-*/``) or committed (``shards/``) shard files
+        shard_files = _found(out, "*/*/*.tokens")
+        done = _found(out, "*/manifest.json") if moment < 0 else []
         if (moment >= 0 and len(shard_files) >= moment) or done:
             victim.send_signal(sig)
             break

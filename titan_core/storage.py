@@ -286,26 +286,29 @@ def check_writable(path: str, key: str) -> None:
     if not path or is_url(path):
         return
     folder = os.path.abspath(os.path.expanduser(path))
-    missing = folder
-    while not os.path.exists(os.path.dirname(missing)) and os.path.dirname(missing) != missing:
-        missing = os.path.dirname(missing)
-    created = not os.path.exists(folder)
     probe = os.path.join(folder, f".titan-write-check-{uuid.uuid4().hex[:8]}")
-    try:
-        os.makedirs(folder, exist_ok=True)
+    for attempt in range(5):
+        made: list[str] = []
         try:
-            with open(probe, "w") as f:
-                f.write("ok")
-        finally:  # created, then the write failed (a full disk): the probe goes too
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(probe)
-    except OSError as e:
-        if e.filename == probe:  # the folder is there, writing in it failed: name the folder
-            e.filename = folder
-        raise ConfigError(f"{key}: {path}: {os_error_words(e, named=folder)}") from None
-    finally:
-        if created and os.path.isdir(missing):
-            _remove_empty_folders(missing)
+            made = make_folders(folder)
+            try:
+                with open(probe, "w") as f:
+                    f.write("ok")
+            finally:  # created, then the write failed (a full disk): the probe goes too
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(probe)
+            return
+        except FileNotFoundError:
+            # Another rank removed a folder it made for its own check, between our makedirs
+            # and our probe (every rank checks): check again.
+            if attempt == 4:
+                raise ConfigError(f"{key}: {path}: the folder keeps disappearing") from None
+        except OSError as e:
+            if e.filename == probe:  # the folder is there, writing in it failed: name the folder
+                e.filename = folder
+            raise ConfigError(f"{key}: {path}: {os_error_words(e, named=folder)}") from None
+        finally:
+            remove_empty_folders(made)
 
 
 @contextlib.contextmanager
