@@ -568,3 +568,14 @@ def test_titan_launch_runs_the_pipeline_preflight(
     ), err
     assert any("Fake-backend dry run at world size 1" in r.getMessage() for r in caplog.records)
     assert not dump.exists() or not any(dump.rglob("*.distcp"))  # nothing trained or saved
+
+
+def test_a_rank_line_torchrun_read_in_two_parts_is_one_line() -> None:
+    """torchrun's tee prefixes each read of a rank's log; a read that ended mid-line gives
+    ``[rank0]:text[rank0]:`` for one line the rank wrote: the launcher shows it once."""
+    from titan_core.launch.supervise import _one_write
+
+    assert _one_write("[rank0]:error: lost it[rank0]:") == "[rank0]:error: lost it"
+    assert _one_write("[rank3]:step 1 [rank3]:loss 2.0") == "[rank3]:step 1 loss 2.0"
+    assert _one_write("[rank0]:asks about [rank1]:") == "[rank0]:asks about [rank1]:"
+    assert _one_write("agent says [rank0]:") == "agent says [rank0]:"

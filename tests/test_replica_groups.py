@@ -99,7 +99,8 @@ def test_a_killed_group_heals_from_its_peer_and_rejoins(tmp_path: Path, dataset:
     restarting (its process ids unchanged), group 1's torchrun restarts it, it heals from group
     0 (no checkpoint exists to read: the interval is 100) and rejoins; at the end both groups'
     weights and optimizer state are bitwise equal. The global batches drawn while it was
-    missing are skipped by its ranks, not read later."""
+    missing are skipped by its ranks, not read later. The console: every line tagged with its
+    group, the kill said when it happens, no lighthouse INFO lines; no empty quorum folders."""
     # While group 1 is missing each step of group 0 takes 1 s more: it is back (a restart is
     # seconds) well before group 0 could finish alone, however loaded the machine.
     env = {KILL_ENV: "1:5", SLOW_ENV: "1.0", DIGEST_ENV: "1", DUMP_ENV: str(tmp_path / "read")}
@@ -117,7 +118,10 @@ def test_a_killed_group_heals_from_its_peer_and_rejoins(tmp_path: Path, dataset:
     assert all(len(pids[("1", r)]) == 2 for r in "01"), starts  # killed once, started again
     assert {s for g, _, _, s in starts if g == "1"} == {"0", "1"}
     assert re.search(r"group 1 healed from a live group in [\d.]+s", out)
+    _check_group_console(out, proc.stderr)
     assert not (tmp_path / "run" / "checkpoint" / "step-5").exists()  # nothing saved to heal
+    # torchft's Manager would leave comm_traces/rank__quorum_<id>/ (empty) at every quorum.
+    assert not list(tmp_path.glob("run/**/comm_traces/*quorum*")), list(tmp_path.rglob("*quorum*"))
     digests = dict(
         ((g, r), d) for g, r, d in re.findall(r"group (\d) rank (\d) state digest (\w+)", out)
     )
@@ -141,6 +145,30 @@ def test_a_killed_group_heals_from_its_peer_and_rejoins(tmp_path: Path, dataset:
         rows = [json.loads(line) for line in (tmp_path / group / "health.jsonl").open()]
         events = {r["action"] for r in rows if r["kind"] == "replica_groups"}
         assert want <= events, rows
+
+
+def _check_group_console(out: str, err: str) -> None:
+    """What ``titan train --ngpu 4`` with two replica groups printed while group 1 was killed
+    before step 5 and restarted: each rank's line tagged with its group, the kill said when it
+    happened (before the restarted group's first line), and nothing of the lighthouse's INFO log
+    (its quorum status, many lines a step)."""
+    lines = out.splitlines()
+    assert not [line for line in lines if line.startswith("[rank")], out[-3000:]  # all tagged
+    for tag in ("[g0 rank0]:", "[g0 rank1]:", "[g1 rank0]:", "[g1 rank1]:"):
+        assert any(line.startswith(tag + "[titan] ") for line in lines), tag
+    assert any(line.startswith("[g1 rank") and "1 dies before step 5" in line for line in lines)
+    said = [i for i, line in enumerate(lines) if line.startswith("[g1] launch: rank ")]
+    assert len(said) == 1, out[-3000:]
+    assert re.fullmatch(
+        r"\[g1\] launch: rank \d \(pid \d+\) was killed by SIGKILL; torchrun restarts the "
+        r"group \(restart 1 of 1\)",
+        lines[said[0]],
+    ), lines[said[0]]
+    restarted = next(
+        i for i, line in enumerate(lines) if re.search(r"group 1 of 2.*restart 1", line)
+    )
+    assert said[0] < restarted  # said when it happened, not held back to the end
+    assert not re.search(r"\bINFO\b.*torchft::|torchft::\S*\] - Quorum", out + err), err[-3000:]
 
 
 def test_a_rollback_takes_every_group_back_to_the_same_checkpoint(

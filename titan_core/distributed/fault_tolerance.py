@@ -21,6 +21,7 @@ transport and loaded with ``weights_only``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -30,7 +31,7 @@ import signal
 import socket
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -55,10 +56,15 @@ START_STORE_ENV = "TITAN_FT_START_STORE"
 KILL_ENV = "TITAN_FAULT_FT_KILL"
 SLOW_ENV = "TITAN_FAULT_FT_SLOW_S"
 DIGEST_ENV = "TITAN_FT_DIGEST"  # set: each rank logs a digest of its state at the end
+FR_DUMP_FILE_ENV = "TORCH_FR_DUMP_TEMP_FILE"  # where torch's flight recorder dumps
 
 
 def quiet_torchft() -> None:
-    """torchft's per-step info logs (Rust and Python) down to warnings, unless asked for."""
+    """torchft's per-step info logs (Rust and Python) down to warnings, unless asked for.
+
+    Call it before the first ``import torchft`` of a process: torchft's Rust extension reads
+    ``RUST_LOG`` once, when it is imported (its lighthouse, in the launcher's process, would
+    otherwise log every quorum at INFO)."""
     import logging
 
     os.environ.setdefault("RUST_LOG", "warn")
@@ -67,6 +73,17 @@ def quiet_torchft() -> None:
     # A peer's death is expected here: said in one line by ReplicaGroup.commit, without the
     # traceback torchft logs with it.
     logging.getLogger("torchft.manager").setLevel(logging.CRITICAL)
+
+
+@contextlib.contextmanager
+def _env_hidden(name: str) -> Iterator[None]:
+    """``name`` is not in the environment inside the block (restored after)."""
+    value = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ[name] = value
 
 
 def group_config(cfg: JobConfig) -> JobConfig:
@@ -329,24 +346,29 @@ class ReplicaGroup:
             else ProcessGroupNCCL(timeout=timeout)
         )
         store_addr, store_port = self._incarnation_store()
-        self.manager = Manager(
-            pg=pg,
-            load_state_dict=self._load,
-            state_dict=self._state,
-            min_replica_size=cfg.min_replicas,
-            use_async_quorum=False,  # a healed group takes part in the very step it healed at
-            init_sync=False,  # every group starts from the same seed (or checkpoint)
-            replica_id=f"titan_group_{cfg.group_id}",
-            lighthouse_addr=self.lighthouse,
-            store_addr=store_addr,
-            store_port=store_port,
-            rank=dist.get_rank() if dist.is_initialized() else 0,
-            world_size=dist.get_world_size() if dist.is_initialized() else 1,
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
-            connect_timeout=timeout,
-            checkpoint_transport=SafeHTTPTransport(timeout=timeout, num_chunks=0),
-        )
+        # Hidden from torchft's Manager, which would make a folder <TORCH_FR_DUMP_TEMP_FILE>
+        # _quorum_<id>/ at every quorum (empty unless a rank dumps) and point the variable into
+        # it: titan's ranks dump to <dump_folder>/comm_traces/rank_<rank> (flight_recorder),
+        # one folder that torch's fr_trace reads, however many quorums there were.
+        with _env_hidden(FR_DUMP_FILE_ENV):
+            self.manager = Manager(
+                pg=pg,
+                load_state_dict=self._load,
+                state_dict=self._state,
+                min_replica_size=cfg.min_replicas,
+                use_async_quorum=False,  # a healed group takes part in the very step it healed at
+                init_sync=False,  # every group starts from the same seed (or checkpoint)
+                replica_id=f"titan_group_{cfg.group_id}",
+                lighthouse_addr=self.lighthouse,
+                store_addr=store_addr,
+                store_port=store_port,
+                rank=dist.get_rank() if dist.is_initialized() else 0,
+                world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
+                connect_timeout=timeout,
+                checkpoint_transport=SafeHTTPTransport(timeout=timeout, num_chunks=0),
+            )
         rank = dist.get_rank() if dist.is_initialized() else 0
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         logger.info(

@@ -70,6 +70,21 @@ def signal_name(num: int) -> str:
         return f"signal {num}"
 
 
+# torchrun's error line on the first failed worker of a round (the agent then restarts the
+# workers, or gives up).
+_WORKER_FAILED_RE = re.compile(r"\] failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+
+def worker_failed(line: str) -> str | None:
+    """torchrun's line on a failed worker in words (``1 (pid 4242) was killed by SIGKILL``:
+    its local rank, its process, how it ended); None for any other line."""
+    if not (m := _WORKER_FAILED_RE.search(line)):
+        return None
+    code, rank, pid = int(m.group(1)), m.group(2), m.group(3)
+    how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
+    return f"{rank} (pid {pid}) {how}"
+
+
 def _root_cause(tail: Sequence[str]) -> tuple[int | None, int | None]:
     """(rank, exitcode) of torchrun's first observed failure, if it printed one."""
     rank = exitcode = None

@@ -21,7 +21,11 @@ import dataclasses
 import functools
 
 from titan_core.config.job import FaultTolerance, JobConfig, Launch
-from titan_core.distributed.fault_tolerance import LIGHTHOUSE_ENV, lighthouse_unreachable
+from titan_core.distributed.fault_tolerance import (
+    LIGHTHOUSE_ENV,
+    lighthouse_unreachable,
+    quiet_torchft,
+)
 from titan_core.errors import ConfigError
 from titan_core.launch import slurm_script
 from titan_core.launch.failures import LIGHTHOUSE_LOST_EXIT, LaunchError
@@ -74,6 +78,7 @@ class ReplicaGroupsLauncher:
 
     def probe(self) -> None:
         """torchft is importable; a configured lighthouse answers."""
+        quiet_torchft()  # before this process's first import of torchft (see quiet_torchft)
         import torchft  # noqa: F401  (a dependency of the project)
 
         if self.backend == "slurm":
@@ -146,7 +151,8 @@ class ReplicaGroupsLauncher:
         try:
             cmds = self.commands(spec, env[LIGHTHOUSE_ENV])
             spec = dataclasses.replace(spec, env={**spec.env, **env})
-            return run_agents(cmds, spec, on_line, accept=lambda line: True, independent=True)
+            tags = [f"g{g}" for g in range(self.groups)]  # [g1 rank0]: lines of group 1's rank 0
+            return run_agents(cmds, spec, on_line, lambda line: True, independent=True, tags=tags)
         finally:
             if lighthouse is not None:
                 lighthouse.shutdown()

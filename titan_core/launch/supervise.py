@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 
-from titan_core.launch.failures import TAIL_LINES, LaunchError, describe_failure
+from titan_core.launch.failures import TAIL_LINES, LaunchError, describe_failure, worker_failed
 from titan_core.launch.spec import LaunchResult, LaunchSpec, LineCallback
 from titan_core.launch.torchrun import job_environment
 
@@ -47,12 +47,15 @@ def run_agents(
     on_line: LineCallback,
     accept: Callable[[str], bool],
     independent: bool = False,
+    tags: Sequence[str] = (),
 ) -> LaunchResult:
     """Run the agent commands to completion, streaming ``accept``-ed lines to ``on_line``.
 
-    Lines of agent i > 0 that are not rank output get an ``[agent i]`` prefix. When an agent
-    fails, the others get ``PEER_GRACE_S`` to notice before they are stopped; ``independent``
-    agents (fault-tolerant replica groups) run on, and the job fails only if every one does.
+    Lines of agent i > 0 that are not rank output get an ``[agent i]`` prefix; with ``tags``
+    (one per agent: the replica groups' ``g0``, ``g1``) every line carries its agent's tag,
+    ``[g1 rank0]:`` for a rank's, ``[g1]`` for the agent's own. When an agent fails, the others
+    get ``PEER_GRACE_S`` to notice before they are stopped; ``independent`` agents
+    (fault-tolerant replica groups) run on, and the job fails only if every one does.
     """
     if spec.log_dir:
         os.makedirs(spec.log_dir, exist_ok=True)
@@ -73,7 +76,8 @@ def run_agents(
                 timer.daemon = True
                 timer.start()
             held: list[str] = []
-            num_lines, first_failed = _stream(agents, lines, tails, on_line, accept, held)
+            stream = _Stream(on_line, accept, tags, spec.launch.max_restarts, len(cmds))
+            num_lines, first_failed = stream.run(agents, lines, tails, held)
             codes = [p.wait() for p in agents.procs]
     except BaseException:
         agents.stop()
@@ -88,7 +92,7 @@ def run_agents(
     if independent and not all(codes) and not timed_out.is_set():
         for i, code in enumerate(codes):  # the others finished the job without it
             if code:
-                on_line(f"[agent {i}] {_failure([code], 0, [tails[i]], spec, False)}")
+                on_line(stream.shown(i, _failure([code], 0, [tails[i]], spec, False).args[0]))
     elif any(codes):
         raise _failure(codes, first_failed, tails, spec, timed_out.is_set())
     return LaunchResult(
@@ -99,47 +103,86 @@ def run_agents(
     )
 
 
-def _stream(
-    agents: _Agents,
-    lines: _Lines,
-    tails: _Tails,
-    on_line: LineCallback,
-    accept: Callable[[str], bool],
-    held: list[str],
-) -> tuple[int, int | None]:
-    """Pass the agents' lines on until every agent's output has ended; returns the number of
-    lines streamed and the agent whose failure ends the job (None: none failed first).
+class _Stream:
+    """How the agents' lines are passed on: tagged by agent, torchrun's report of a failed
+    worker said in one line when the job goes on without it (a restart, or independent
+    agents), held back when the job's one-line error will replace it."""
 
-    An agent's report of a failed worker (its error line; its traceback, from which on it says
-    nothing else) goes to ``held``: the job's one-line error replaces it.
-    """
-    holding = [False] * len(tails)
-    open_streams = len(tails)
-    first_failed: int | None = None
-    num_lines = 0
-    while open_streams:
-        agents.watch()
-        try:
-            i, line = lines.get(timeout=0.5)
-        except queue.Empty:
-            continue
-        if line is None:
-            open_streams -= 1
-            if first_failed is None and agents.procs[i].wait() != 0:
-                first_failed = i
-            continue
-        tails[i].append(line)
-        agent_line = not line.startswith("[rank")
-        holding[i] = holding[i] or (agent_line and line.startswith("Traceback (most recent"))
-        report = agent_line and (holding[i] or bool(AGENT_FAILED_RE.match(line)))
-        if i and agent_line:
-            line = f"[agent {i}] {line}"
-        if report:
-            held.append(line)
-        elif accept(line):
-            num_lines += 1
-            on_line(line)
-    return num_lines, first_failed
+    def __init__(
+        self,
+        on_line: LineCallback,
+        accept: Callable[[str], bool],
+        tags: Sequence[str],
+        max_restarts: int,
+        num_agents: int,
+    ) -> None:
+        self.on_line, self.accept, self.tags = on_line, accept, tags
+        self.max_restarts = max_restarts
+        self.failures = [0] * num_agents  # torchrun's failed rounds, by agent
+        # torchrun names a worker by its local rank: the rank of its agent's job (a replica
+        # group's, or the whole job's on one node), a node's rank among several otherwise.
+        self.who = "local rank" if num_agents > 1 and not tags else "rank"
+
+    def shown(self, i: int, line: str) -> str:
+        """``line`` of agent ``i`` as streamed."""
+        rank_line = line.startswith("[rank")
+        if self.tags:
+            return f"[{self.tags[i]} {line[1:]}" if rank_line else f"[{self.tags[i]}] {line}"
+        return f"[agent {i}] {line}" if i and not rank_line else line
+
+    def run(
+        self, agents: _Agents, lines: _Lines, tails: _Tails, held: list[str]
+    ) -> tuple[int, int | None]:
+        """Pass the agents' lines on until every agent's output has ended; returns the number
+        of lines streamed and the agent whose failure ends the job (None: none failed first).
+
+        An agent's report of a failed worker (its error line; its traceback, from which on it
+        says nothing else) goes to ``held`` unless the job goes on: the job's one-line error
+        replaces it.
+        """
+        holding = [False] * len(tails)
+        open_streams = len(tails)
+        first_failed: int | None = None
+        num_lines = 0
+        while open_streams:
+            agents.watch()
+            try:
+                i, line = lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line is None:
+                open_streams -= 1
+                if first_failed is None and agents.procs[i].wait() != 0:
+                    first_failed = i
+                continue
+            tails[i].append(line)
+            agent_line = not line.startswith("[rank")
+            holding[i] = holding[i] or (agent_line and line.startswith("Traceback (most recent"))
+            failed = agent_line and bool(AGENT_FAILED_RE.match(line))
+            if failed and (news := self._worker_failed(i, line, agents.independent)):
+                line = news  # said now: the job goes on without that worker
+            elif holding[i] or failed:
+                held.append(self.shown(i, line))
+                continue
+            if self.accept(line):
+                num_lines += 1
+                self.on_line(self.shown(i, line))
+        return num_lines, first_failed
+
+    def _worker_failed(self, i: int, line: str, independent: bool) -> str | None:
+        """The line saying that agent ``i``'s worker failed (torchrun's ``line``), when the
+        job goes on: torchrun restarts the workers, or the agents are independent."""
+        self.failures[i] += 1
+        restarts = self.failures[i] <= self.max_restarts
+        if not (restarts or independent) or not (what := worker_failed(line)):
+            return None
+        workers = "the group" if self.tags else "the workers"
+        then = (
+            f"torchrun restarts {workers} (restart {self.failures[i]} of {self.max_restarts})"
+            if restarts
+            else f"no restarts left (launch.max_restarts {self.max_restarts})"
+        )
+        return f"launch: {self.who} {what}; {then}"
 
 
 def _failure(
@@ -157,12 +200,24 @@ def _failure(
     return describe_failure(codes[first_failed], list(tails[first_failed]))
 
 
+_RANK_HEADER_RE = re.compile(r"\[rank\d+\]:")
+
+
+def _one_write(line: str) -> str:
+    """A rank's line as the rank wrote it: torchrun's tee prefixes every read of a rank's log,
+    and a read that ends mid-line makes ``[rank0]:error: …[rank0]:`` of one line written in
+    two parts (its newline came later)."""
+    if not (m := _RANK_HEADER_RE.match(line)):
+        return line
+    return m.group(0) + line[m.end() :].replace(m.group(0), "")
+
+
 def _pump(i: int, proc: subprocess.Popen[str], out: _Lines) -> None:
     """Reader thread: one agent's lines into the shared queue, then ``None``."""
     assert proc.stdout is not None
     with contextlib.suppress(ValueError, OSError):  # closed under us at teardown
         for raw in proc.stdout:
-            out.put((i, raw.rstrip("\n")))
+            out.put((i, _one_write(raw.rstrip("\n"))))
     out.put((i, None))
 
 
