@@ -6,21 +6,23 @@ resolves it (recipe < config file < ``config`` < ``overrides``): ``job.experimen
 (``titan_core.pipeline.run.tracking.resolve_tracking_uri``). So ``compare`` with the recipe and
 settings a pipeline ran with finds its runs with nothing else to say.
 
-The comparison (final loss, eval perplexity, tokens/s, MFU, differing config keys, the loss curves
-embedded) is shown as table and markdown artifacts of the flow run. It is logged to MLflow only
-when asked: ``log`` records a ``compare-*`` run in the experiment, ``parent_run_id`` nests that
-run under another (e.g. a sweep's), so comparing does not clutter the experiment by default.
+The comparison (final train loss, eval loss and perplexity, tokens/s, MFU, the config keys that
+differ, the loss curves embedded) is shown as table and markdown artifacts of the flow run; the
+markdown fits the Prefect UI's artifact pane (``titan_core.pipeline.compare_view``). It is
+logged to MLflow only when asked: ``log`` records a ``compare-*`` run in the experiment,
+``parent_run_id`` nests that run under another (e.g. a sweep's), so comparing does not clutter
+the experiment by default.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 from prefect import flow
 
 from tasks.compare import compare_runs
 from tasks.runtime import name_flow_run
-from titan_core.config.form import ConfigForm, flow_values
+from titan_core.config.form import NO_VALUES, ConfigParameter, ValuesParameter, flow_values
 from titan_core.pipeline.compare import Comparison, compare_target
 from titan_core.pipeline.run.config import DEFAULT_RECIPE
 
@@ -30,10 +32,10 @@ from titan_core.pipeline.run.config import DEFAULT_RECIPE
 def compare(
     recipe: str = DEFAULT_RECIPE,
     experiment: str = "",
-    config: ConfigForm | None = None,
-    overrides: dict[str, Any] | None = None,
+    config: ConfigParameter = NO_VALUES,
+    overrides: ValuesParameter = NO_VALUES,
     config_file: str = "",
-    runs: list[str] | None = None,
+    runs: Sequence[str] = (),
     max_runs: int = 10,
     log: bool = False,
     parent_run_id: str = "",

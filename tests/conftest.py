@@ -102,8 +102,8 @@ def qwen3_parity_reference(
 def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A temporary Prefect API (SQLite) for every flow run of the session; yields PREFECT_HOME.
 
-    Started once (~6-30 s); task results (the cache of cached tasks) go under the yielded home.
-    """
+    Started once (~6-30 s); task results go under the yielded home, except the pipeline's cached
+    stages', which live in the run's output root (``RunPaths.results``)."""
     from prefect.settings import (
         PREFECT_HOME,
         PREFECT_LOCAL_STORAGE_PATH,
@@ -120,6 +120,24 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     }
     with temporary_settings(updates=settings), prefect_test_harness(server_startup_timeout=180):
         yield home
+
+
+@pytest.fixture(autouse=True)
+def _prefect_console_on_this_tests_stderr() -> None:
+    """Prefect's console handlers keep the stream they were made with: under pytest, an earlier
+    test's captured stderr, closed since, where a flow's log lines would fail (and, printed
+    through the flow's ``log_prints``, recurse). Each test's own stderr instead."""
+    import logging
+    import sys
+
+    if "prefect.logging.handlers" not in sys.modules:  # no flow has run in this process yet
+        return
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for owner in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(owner, "handlers", []):
+            if isinstance(handler, PrefectConsoleHandler) and handler.stream is not sys.stderr:
+                handler.stream = handler.console.file = sys.stderr  # setStream flushes the old
 
 
 # --- storage faults: read-only and full file systems on demand (tests/storage_faults.py) --------

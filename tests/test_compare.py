@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 import struct
 from pathlib import Path
@@ -19,7 +20,14 @@ from tracking_data import log_pipeline_run
 
 from titan_core.cli import main as titan_main
 from titan_core.errors import ConfigError
-from titan_core.pipeline.compare import PLOT_NAME, compare_experiment, summarize_run
+from titan_core.pipeline.compare import (
+    PLOT_NAME,
+    RunSummary,
+    compare_experiment,
+    split_run_specific,
+    summarize_run,
+)
+from titan_core.pipeline.compare_view import MARKDOWN_WIDTH, render_markdown
 
 EXPERIMENT = "cmp-test"
 BASE = ["--module", "llama3", "--config", "llama3_debugmodel_tiny"]
@@ -75,12 +83,19 @@ def test_compare_table_differing_keys_and_plot(tracking: tuple[str, dict], tmp_p
         # The curve is the train stage's every step, not the parent's single final value.
         assert [v for _, v in summary[name].loss_curve] == pytest.approx(losses)
         assert row["eval_perplexity"] == pytest.approx(ppl)
+        assert row["eval_loss"] == pytest.approx(math.log(ppl))  # what a sweep ranks by
         assert row["tokens_per_s"] > 0 and row["mfu_pct"] > 0
     # Exactly the keys the two configs differ in, with each run's value.
     assert sorted(result.differing_params) == ["optimizer.lr", "training.steps"]
     lr = result.differing_params["optimizer.lr"]
     assert float(lr[runs["lr-high"][0]]) == 1e-3 and float(lr[runs["lr-low"][0]]) == 1e-4
     assert "`optimizer.lr`" in result.markdown and "model.flavor" not in result.markdown
+    assert result.run_specific_keys == []  # the runs were logged from configs, not run roots
+    # For the Prefect UI's narrow artifact pane: a row per number and a column per run.
+    table = result.markdown.splitlines()
+    assert table[2] == "| run | lr-high | lr-low |"
+    eval_row = next(line for line in table if line.startswith("| eval loss |"))
+    assert eval_row.count("|") == 4
 
     record = client.get_run(result.compare_run_id)
     assert record.data.tags["titan.stage"] == "compare" and record.info.status == "FINISHED"
@@ -109,6 +124,56 @@ def test_compare_table_differing_keys_and_plot(tracking: tuple[str, dict], tmp_p
     assert again.compare_run_id == newest.compare_run_id == "" and _embedded_png(again.markdown)
     after = {r.info.run_id for r in client.search_runs([exp_id])}
     assert after - before == {result.compare_run_id}
+
+
+def test_run_specific_keys_are_left_out_by_rule() -> None:
+    """Keys that differ by construction are named apart from the differences: paths into each
+    run's own folder (equal once run ids are masked, whichever run's folder they point into)
+    and the sections that say where a run is recorded; a path into another place, or another
+    step of a run, is a real difference."""
+    run = "s3://bucket/out/exp/20261128-180000-ab12cd"  # a sweep's trials add -t<N>
+    pairs = {
+        "job.dump_folder": (f"{run}-t1", f"{run}-t2"),
+        "tokenizer.path": (f"{run}-t1/tokenizer/t.model", f"{run}-t2/tokenizer/t.model"),
+        "tracking.registered_model": ("exp", "exp-sweep"),
+        "storage.progress": ("True", "False"),
+        "optimizer.lr": ("0.001", "0.003"),
+        "checkpoint.initial_load_path": (f"{run}/checkpoint/step-10", f"{run}/checkpoint/seed"),
+        "data.path": ("/data/20261128-180000-ab12cd.jsonl", "/other/20261128-180000-ab12cd.jsonl"),
+    }
+    diff = {key: {"a": a, "b": b, "c": None} for key, (a, b) in pairs.items()}
+    runs = [RunSummary(x, x, "FINISHED", params={"k": "v"} if x != "c" else {}) for x in "abc"]
+    shown, left_out = split_run_specific(diff, runs)  # c logged no config: it has no say
+    assert list(shown) == ["optimizer.lr", "checkpoint.initial_load_path", "data.path"]
+    assert left_out == [
+        "job.dump_folder",
+        "tokenizer.path",
+        "tracking.registered_model",
+        "storage.progress",
+    ]
+
+
+def test_markdown_fits_a_narrow_pane() -> None:
+    """Ten runs named by their (long) run ids and a long value: the runs are split over tables
+    no wider than ``MARKDOWN_WIDTH`` characters, every run in one, the value cut in the middle."""
+    ids = [f"{i}" * 32 for i in range(10)]
+    rows = [
+        {"run": f"20261128-1800{i:02d}-ab12cd", "run_id": run_id, "status": "FINISHED",
+         "steps": 100, "final_loss": 8.1234, "eval_loss": 8.2345, "eval_perplexity": 3767.1,
+         "tokens_per_s": 12345.6, "mfu_pct": 1.2345}
+        for i, run_id in enumerate(ids)
+    ]  # fmt: skip
+    path = "s3://a-bucket/some/long/prefix/exp/20261128-180000-ab12cd/checkpoint/step-100"
+    diff = {"checkpoint.initial_load_path": {run_id: path for run_id in ids}}
+    markdown = render_markdown("exp", rows, diff, "", ["job.dump_folder"])
+    tables = [line for line in markdown.splitlines() if line.startswith("|")]
+    assert max(len(line) for line in tables) <= MARKDOWN_WIDTH
+    heads = [line for line in tables if line.startswith("| run |")]
+    assert len(heads) > 1 and sum(line.count("20261128-1800") for line in heads) == 10
+    assert "| `checkpoint.initial_load_path` | s3://a-bucket…point/step-100 |" in markdown
+    assert (
+        "by construction (a run's own folder, where it is recorded): `job.dump_folder`." in markdown
+    )
 
 
 def test_compare_nests_under_a_parent_run(tracking: tuple[str, dict]) -> None:

@@ -495,8 +495,18 @@ def test_compare_after_the_sweep_shows_its_trials_and_the_best(swept: dict[str, 
         if trial.status == "completed":
             assert by_run[name]["final_loss"] == pytest.approx(trial.final_loss)
     assert f"# Comparison of {len(names)} runs in `{EXPERIMENT}`" in compared.table_markdown
-    assert "| tokens/s (median) | MFU % (median) |" in compared.table_markdown
+    assert "\n| tokens/s (median) | " in compared.table_markdown
     assert "the median over the logged steps" in compared.table_markdown
+    # What the trials differ in is what the sweep varied (and what follows from it, such as
+    # validation.local_batch_size; the refused trial logged no config). Each trial's own folder
+    # differs too, by construction: named apart.
+    assert "training.local_batch_size" in compared.differing_params
+    per_run = {"job.dump_folder", "tokenizer.path", "checkpoint.initial_load_path"}
+    assert not per_run & set(compared.differing_params)
+    assert "job.dump_folder" in compared.run_specific_keys
+    for trial, row in zip(result.trials, compared.runs, strict=True):
+        if trial.status == "completed":  # the metric the sweep ranked by
+            assert row["eval_loss"] == pytest.approx(trial.metric)
 
 
 @pytest.mark.multiprocess
@@ -587,6 +597,51 @@ def test_titan_sweep_runs_a_random_search_and_prints_the_table(
         assert line.split()[:2] == [f"trial-{index}", f"{lr:g}"] and "completed" in line
     assert sum("(best)" in line for line in table[2:4]) == 1
     assert "model cli-sweep-sweep @sweep-best" in out and "MLflow: sweep run " in out
+    _compare_shows_the_sweep(uri, [line.split() for line in table[2:4]], capsys)
+
+
+def _compare_shows_the_sweep(
+    uri: str, trials: list[list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`titan compare` after the two-trial sweep of `optimizer.lr`: the trials in 120 columns
+    (the output is no terminal here), each with the eval loss the sweep ranked by,
+    `optimizer.lr` the one config key that differs (each trial's own folder named apart, as
+    different by construction); its Prefect artifact drawn for a narrow pane. The sweep's
+    model also took `@champion` (each trial's publish stage runs the champion rule in it)."""
+    from mlflow import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    argv = ["compare", "--config", RECIPE, "--tracking.uri", uri, "--experiment", "cli-sweep"]
+    assert titan_main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 120, "\n".join(lines)
+    assert lines[0].strip().startswith("Comparison of 2 runs in cli-sweep, the trials of sweep-")
+    for name, lr, _, eval_loss, *_ in trials:  # the sweep's table: trial, lr, ..., eval/loss
+        numbers, values = [line.split() for line in lines if f" {name} " in line]
+        assert "FINISHED" in numbers and numbers[-4] == eval_loss  # 4th number from the right
+        assert float(values[-1]) == pytest.approx(float(lr))  # its optimizer.lr
+    keys = lines.index(next(line for line in lines if "Config keys that differ" in line))
+    assert next(line.split() for line in lines[keys + 1 :] if line.strip()) == [
+        "run",
+        "optimizer.lr",
+    ]
+    start = lines.index(next(line for line in lines if line.startswith("Also different, by")))
+    end = next(i for i in range(start, len(lines)) if lines[i].endswith("."))  # wrapped at 120
+    left_out = " ".join(lines[start : end + 1])
+    assert "job.dump_folder" in left_out and "optimizer.lr" not in left_out
+    with get_client(sync_client=True) as prefect:
+        (artifact,) = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["compare-cli-sweep"]))
+        )
+    table = [line for line in artifact.data.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| run | trial-1 lr=") and len(table[0].split(" | ")) == 3
+    assert any(line.startswith("| eval loss | ") for line in table)
+    keys = table.index(next(line for line in table if line.startswith("| key | ")))
+    assert [line.split(" | ")[0] for line in table[keys + 2 :]] == ["| `optimizer.lr`"]
+    client = MlflowClient(uri)
+    champion = client.get_model_version_by_alias("cli-sweep-sweep", "champion")
+    assert client.get_run(champion.run_id).data.tags["titan.trial"].startswith("trial-")
 
 
 def test_a_missing_deployment_is_one_line_before_anything_runs(

@@ -3,11 +3,13 @@
 A parent run carries the flattened resolved config as params (the pipeline's own
 ``titan_core.pipeline.run.tracking.log_params``); a nested ``train`` run gets its
 per-step metrics from the trainer's ``MetricsProcessor`` through the ``MlflowSink`` (the names
-the pipeline logs: ``train/*``); a nested ``evaluate`` run gets the eval perplexity, and the
-parent the final ``train/loss`` and ``eval/perplexity`` at the last step, as ``publish`` does.
+the pipeline logs: ``train/*``); a nested ``evaluate`` run gets the eval loss and perplexity, and
+the parent the final ``train/loss`` and ``eval/*`` at the last step, as ``publish`` does.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from mlflow import MlflowClient
@@ -48,10 +50,11 @@ def log_pipeline_run(
     evaluate = client.create_run(
         exp_id, run_name="evaluate", tags={**nested, STAGE_TAG: "evaluate"}
     )
-    ppl = 2.0 ** losses[-1]
-    client.log_metric(evaluate.info.run_id, "eval/perplexity", ppl)
+    ppl = 2.0 ** losses[-1]  # eval/loss is its natural log, as the evaluator's
+    for name, value in {"eval/loss": math.log(ppl), "eval/perplexity": ppl}.items():
+        client.log_metric(evaluate.info.run_id, name, value)
+        client.log_metric(run_id, name, value, step=cfg.training.steps)
     client.set_terminated(evaluate.info.run_id)
     client.log_metric(run_id, "train/loss", losses[-1], step=cfg.training.steps)
-    client.log_metric(run_id, "eval/perplexity", ppl, step=cfg.training.steps)
     client.set_terminated(run_id)
     return run_id, losses, ppl

@@ -1,5 +1,9 @@
 """Compare MLflow runs of one experiment: a summary table, the config keys that differ, loss curves.
 
+Keys that differ between runs by construction (``run_specific``: paths into a run's own folder,
+where it is recorded) are named once under the differences, not listed as differences. The
+markdown is drawn for the Prefect UI's narrow artifact pane (``compare_view``).
+
 ``compare_experiment`` is plain MLflow (no orchestrator); the ``compare_runs`` task
 (``tasks/compare.py``) wraps it and publishes the result as Prefect table and markdown artifacts.
 The markdown embeds the loss-curve PNG as a ``data:`` URI, so it renders in the Prefect UI and
@@ -28,13 +32,15 @@ from typing import Any
 
 from titan_core import storage
 from titan_core.errors import ConfigError
+from titan_core.pipeline.compare_view import render_markdown, short_names
 from titan_core.pipeline.run.common import public_url
-from titan_core.pipeline.run.report import markdown_image, markdown_table, mlflow_image
+from titan_core.pipeline.run.paths import is_run_id
+from titan_core.pipeline.run.report import markdown_image, mlflow_image
 from titan_core.pipeline.run.tracking import STAGE_TAG, check_tracking, resolve_tracking_uri
 
 # Metric names on MLflow (the train stage run and the pipeline run alike; the eval stage).
 LOSS_KEY, TPS_KEY, MFU_KEY = "train/loss", "train/tps", "train/mfu_pct"
-PERPLEXITY_KEY = "eval/perplexity"
+EVAL_LOSS_KEY, PERPLEXITY_KEY = "eval/loss", "eval/perplexity"  # the evaluate stage's
 # Runs logged before the train/ prefix called the train stage's metrics by their bare names.
 _LEGACY = {LOSS_KEY: "loss", TPS_KEY: "tps", MFU_KEY: "mfu_pct"}
 COMPARE_STAGE = "compare"  # runs tagged titan.stage=compare are this module's own output
@@ -42,17 +48,10 @@ PARENT_TAG = "mlflow.parentRunId"
 SWEEP_STAGE = "sweep"  # a sweep's parent run: compared as its trials
 TRIAL_TAG, SWEEP_ID_TAG = "titan.trial", "titan.sweep_id"  # on a sweep's trial runs
 SWEEP_BEST_TAG = "titan.sweep_best"  # "true" on the best trial of its sweep
-# What the table's columns are (the rates are medians, not the last value other views show).
-COLUMNS = {
-    "run": "run", "run_id": "run_id", "status": "status", "steps": "steps",
-    "final_loss": "final loss (last step)", "eval_perplexity": "eval perplexity",
-    "tokens_per_s": "tokens/s (median)", "mfu_pct": "MFU % (median)",
-}  # fmt: skip
-STATISTICS_NOTE = (
-    "Final loss: the last logged training step's. Tokens/s and MFU: the median over the logged "
-    "steps, the first (warm-up) left out. A sweep is shown as its trials, `sweep-<id>/<trial>`; "
-    "(best) marks the trial the sweep chose."
-)
+RECORD_SECTIONS = ("tracking", "storage")
+"""Config sections that say where a run is recorded and how it moves its files, not what it
+trains: a sweep's trials and a plain run differ there by construction (the sweep registers into
+a model of its own and turns progress bars off)."""
 PLOT_NAME = "loss_curves.png"
 
 
@@ -64,6 +63,7 @@ class RunSummary:
     name: str
     status: str
     final_loss: float | None = None
+    eval_loss: float | None = None
     eval_perplexity: float | None = None
     tokens_per_s: float | None = None
     mfu_pct: float | None = None
@@ -79,6 +79,7 @@ class RunSummary:
             "status": self.status,
             "steps": self.steps,
             "final_loss": self.final_loss,
+            "eval_loss": self.eval_loss,
             "eval_perplexity": self.eval_perplexity,
             "tokens_per_s": self.tokens_per_s,
             "mfu_pct": self.mfu_pct,
@@ -96,7 +97,8 @@ class Comparison:
     runs: list[dict[str, Any]]
     """One table row per run (``RunSummary.row``), in the order compared."""
     differing_params: dict[str, dict[str, str | None]]
-    """The config keys whose values differ: {key: {run_id: value or None}}."""
+    """The config keys whose values differ, the ``run_specific`` ones left out:
+    {key: {run_id: value or None}}."""
     compare_run_id: str
     """The MLflow run the comparison was logged to; "" when it was not logged."""
     plot_uri: str
@@ -104,7 +106,9 @@ class Comparison:
     markdown: str
     """The comparison with the loss curves embedded (a ``data:`` URI)."""
     table_markdown: str = ""
-    """The same without the image, for a terminal."""
+    """The same without the image."""
+    run_specific_keys: list[str] = field(default_factory=list)
+    """The config keys that differ by construction (``run_specific``), not in differing_params."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data."""
@@ -165,7 +169,8 @@ def display_name(run: Any) -> str:
 
 
 def summarize_run(client: Any, run: Any) -> RunSummary:
-    """Collect one run's final loss, eval perplexity, throughput, MFU, params and loss curve."""
+    """Collect one run's final loss, eval loss and perplexity, throughput, MFU, params and loss
+    curve."""
     summary = RunSummary(run_id=run.info.run_id, name=display_name(run), status=run.info.status)
     owners = _metric_owners(client, run)
     for owner in reversed(owners):  # the parent's params win over a stage's
@@ -176,21 +181,57 @@ def summarize_run(client: Any, run: Any) -> RunSummary:
     for attr, key in (("tokens_per_s", TPS_KEY), ("mfu_pct", MFU_KEY)):
         if rates := _longest_history(client, owners, key):
             setattr(summary, attr, _steady([v for _, v in rates]))
-    for owner in owners:
-        if PERPLEXITY_KEY in owner.data.metrics and summary.eval_perplexity is None:
-            summary.eval_perplexity = owner.data.metrics[PERPLEXITY_KEY]
+    for attr, key in (("eval_loss", EVAL_LOSS_KEY), ("eval_perplexity", PERPLEXITY_KEY)):
+        found = [owner.data.metrics[key] for owner in owners if key in owner.data.metrics]
+        setattr(summary, attr, found[0] if found else None)
     return summary
 
 
 def differing_params(runs: list[RunSummary]) -> dict[str, dict[str, str | None]]:
-    """Config keys whose value is not the same in every run: {key: {run_id: value or None}}."""
-    keys = sorted(set().union(*(r.params for r in runs)))
+    """Config keys whose value is not the same in every run that logged its config:
+    {key: {run_id: value or None}}. A run that ended before logging it (refused by preflight)
+    has no params: it is shown without values, and makes no key differ."""
+    logged = [r for r in runs if r.params]
+    keys = sorted(set().union(*(r.params for r in logged)))
     out = {}
     for key in keys:
-        values = {r.run_id: r.params.get(key) for r in runs}
-        if len(set(values.values())) > 1:
-            out[key] = values
+        if len({r.params.get(key) for r in logged}) > 1:
+            out[key] = {r.run_id: r.params.get(key) for r in runs}
     return out
+
+
+def _without_run_ids(value: str | None) -> str | None:
+    """``value`` with each pipeline run id in it (``new_run_id``'s form, a trial's ``…-t<N>``;
+    e.g. the ``<run_id>`` of a path ``<root>/<experiment>/<run_id>/…``) written ``<run>``."""
+    if value is None:
+        return None
+    parts = re.split(r"([/\\\s,;:=@'\"]+)", value)
+    return "".join("<run>" if is_run_id(part) else part for part in parts)
+
+
+def run_specific(key: str, values: Mapping[str, str | None]) -> bool:
+    """Whether config ``key`` differs between runs by construction rather than by what they
+    train: a key of a ``RECORD_SECTIONS`` section, or one whose ``values`` (of the runs that
+    logged their config) are all the same once the run ids in them are masked (paths into each
+    run's own folder: ``job.dump_folder``, ``tokenizer.path``, a seed checkpoint's
+    ``checkpoint.initial_load_path``)."""
+    if key.split(".", 1)[0] in RECORD_SECTIONS:
+        return True
+    return len({_without_run_ids(v) for v in values.values()}) == 1
+
+
+def split_run_specific(
+    diff: dict[str, dict[str, str | None]], runs: list[RunSummary]
+) -> tuple[dict[str, dict[str, str | None]], list[str]]:
+    """``diff`` (``differing_params`` of ``runs``) without its ``run_specific`` keys, and those
+    keys; a run that logged no config has no say."""
+    logged = {r.run_id for r in runs if r.params}
+    left_out = [
+        key
+        for key, values in diff.items()
+        if run_specific(key, {run: v for run, v in values.items() if run in logged})
+    ]
+    return {k: v for k, v in diff.items() if k not in left_out}, left_out
 
 
 def _sqlite_file(uri: str) -> str | None:
@@ -323,40 +364,6 @@ def plot_loss_curves(runs: list[RunSummary], path: str, title: str) -> str:
     return path
 
 
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float):
-        return f"{value:.4f}" if abs(value) < 100 else f"{value:,.1f}"
-    return str(value)
-
-
-def render_markdown(
-    experiment: str, runs: list[RunSummary], diff: dict[str, dict[str, str | None]], plot: str
-) -> str:
-    """The comparison for people: headline table, differing config keys, the loss curves (a
-    markdown image: ``titan_core.pipeline.run.report.markdown_image``, or "" for none)."""
-    head = list(COLUMNS)
-    lines = [f"# Comparison of {len(runs)} runs in `{experiment}`", ""]
-    rows = [run.row() | {"run_id": f"`{run.run_id[:8]}`"} for run in runs]
-    lines += markdown_table(
-        [COLUMNS[h] for h in head], [[_fmt(row[h]) for h in head] for row in rows]
-    )
-    lines += ["", STATISTICS_NOTE]
-    lines += ["", "## Config keys that differ", ""]
-    if diff:
-        names = [f"{r.name} (`{r.run_id[:8]}`)" for r in runs]
-        cells = [
-            [f"`{key}`", *(_fmt(values[r.run_id]) for r in runs)] for key, values in diff.items()
-        ]
-        lines += markdown_table(["key", *names], cells)
-    else:
-        lines.append("None: every run has the same config.")
-    if plot:
-        lines += ["", "## Loss curves", "", plot]
-    return "\n".join(lines) + "\n"
-
-
 def artifact_url(tracking_uri: str, run: Any, name: str) -> str:
     """A URL for a run's artifact: the server's download route over HTTP, else its URI."""
     if tracking_uri.startswith(("http://", "https://")):
@@ -386,7 +393,9 @@ def _log_comparison(
         logged = dataclasses.replace(result, compare_run_id=record.info.run_id, plot_uri=plot_uri)
         folder = os.path.dirname(png)
         image = mlflow_image("loss curves", record.info.run_id, PLOT_NAME, result.tracking_uri)
-        markdown = render_markdown(result.experiment, runs, result.differing_params, image)
+        markdown = render_markdown(
+            result.experiment, result.runs, result.differing_params, image, result.run_specific_keys
+        )
         storage.write_text(os.path.join(folder, "comparison.md"), markdown)  # as MLflow shows it
         document = {k: v for k, v in logged.to_dict().items() if k != "markdown"}
         storage.write_text(os.path.join(folder, "comparison.json"), json.dumps(document, indent=2))
@@ -419,18 +428,25 @@ def compare_experiment(
     client, experiment_id = open_experiment(experiment, tracking_uri)
     chosen = select_runs(client, experiment_id, experiment, list(run_ids or []), max_runs)
     runs = [summarize_run(client, r) for r in chosen]
-    diff = differing_params(runs)
+    diff, left_out = split_run_specific(differing_params(runs), runs)
+    rows = [r.row() for r in runs]
+    group, names = short_names([r.name for r in runs])  # the legend as the tables name them
+    curves = [dataclasses.replace(r, name=name) for r, name in zip(runs, names, strict=True)]
+    title = f"{experiment}: training loss" + (f" ({group})" if group else "")
     with tempfile.TemporaryDirectory(prefix="titan-compare-") as tmp:
-        png = plot_loss_curves(runs, os.path.join(tmp, PLOT_NAME), f"{experiment}: training loss")
+        png = plot_loss_curves(curves, os.path.join(tmp, PLOT_NAME), title)
         result = Comparison(
             experiment=experiment,
             tracking_uri=public_url(tracking_uri),  # shown and stored: no credentials
-            runs=[r.row() for r in runs],
+            runs=rows,
             differing_params=diff,
             compare_run_id="",
             plot_uri="",
-            markdown=render_markdown(experiment, runs, diff, markdown_image("loss curves", png)),
-            table_markdown=render_markdown(experiment, runs, diff, ""),
+            markdown=render_markdown(
+                experiment, rows, diff, markdown_image("loss curves", png), left_out
+            ),
+            table_markdown=render_markdown(experiment, rows, diff, "", left_out),
+            run_specific_keys=left_out,
         )
         if log or parent_run_id:
             run_id, plot_uri = _log_comparison(

@@ -229,7 +229,8 @@ def write_report(
 
 def alias_best(tracking: TrackingContext, plan: SweepPlan, best: TrialRow | None) -> str:
     """Point ``sweep-best`` at the best trial's model version (tagged with the sweep id and its
-    metric); returns the alias, or "" when no trial registered a version."""
+    metric); returns the alias, or "" when no trial registered a version. The model's other
+    alias, ``champion``, is moved by the trials' own publish stages (the champion rule)."""
     if best is None or not best.model_version:
         return ""
     mlflow_client = client(tracking.uri)
