@@ -21,7 +21,7 @@ from flows.pipeline import prepare_stage, run_tracked, train_and_publish
 from tasks.preflight import preflight
 from tasks.runs import find_latest_checkpoint, prepare_storage
 from tasks.runtime import current_run_id, load_secret, name_flow_run, run_id_name
-from titan_core.config.form import ConfigForm, flow_values
+from titan_core.config.form import NO_VALUES, ConfigParameter, ValuesParameter, flow_values
 from titan_core.pipeline.run.config import DEFAULT_RECIPE, flow_run_tags, run_config
 from titan_core.pipeline.run.paths import RunPaths, absolute
 from titan_core.pipeline.run.tracking import TrackingContext
@@ -37,8 +37,8 @@ def retrain(
     steps: int = 100,
     recipe: str = DEFAULT_RECIPE,
     experiment: str = "",
-    config: ConfigForm | None = None,
-    overrides: dict[str, Any] | None = None,
+    config: ConfigParameter = NO_VALUES,
+    overrides: ValuesParameter = NO_VALUES,
     config_file: str = "",
     parent_run_id: str = "",
 ) -> dict[str, Any]:

@@ -13,7 +13,8 @@ command line.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 from prefect import flow, tags, task
 from prefect.cache_policies import NO_CACHE
@@ -22,7 +23,13 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks.runtime import current_run_id, name_flow_run, run_id_name, run_logger
 from tasks.sweep import compare_trials, start_sweep_tracking
-from titan_core.config.form import ConfigForm, flow_values
+from titan_core.config.form import (
+    NO_VALUES,
+    ConfigParameter,
+    FormParameter,
+    ValuesParameter,
+    flow_values,
+)
 from titan_core.errors import ConfigError, TitanError, first_line
 from titan_core.pipeline.run.config import DEFAULT_RECIPE
 from titan_core.pipeline.run.tracking import end_pipeline_run
@@ -33,6 +40,10 @@ from titan_core.pipeline.sweep.report import SweepResult, format_table
 from titan_core.resolve import resolve_job
 
 PIPELINE_FLOW = "pretrain_pipeline"
+EARLY_STOP_FORM = FormParameter(
+    keep="off", keep_help="No early stopping; change shows its settings (enable turns it on)."
+)
+"""``early_stop`` in the run form: folded behind an "off" tab that submits nothing."""
 
 
 class TrialFailed(TitanError):
@@ -115,7 +126,7 @@ def run_trials(plan: SweepPlan, parent_run_id: str, deployment: str) -> list[Tri
         for trial in plan.trials:
             params = {
                 "recipe": plan.recipe,
-                "config": None,
+                "config": {},  # replaces a deployment's config: the overrides say it all
                 "overrides": plan.overrides(trial),
                 "config_file": plan.config_file,
                 "run_id": plan.run_id(trial),
@@ -134,17 +145,17 @@ def run_trials(plan: SweepPlan, parent_run_id: str, deployment: str) -> list[Tri
 @flow(name="sweep", flow_run_name=run_id_name, validate_parameters=False)
 def sweep(
     recipe: str = DEFAULT_RECIPE,
-    config: ConfigForm | None = None,
-    overrides: dict[str, Any] | None = None,
-    grid: dict[str, list[Any]] | None = None,
-    random: dict[str, dict[str, list[Any]]] | None = None,
+    config: ConfigParameter = NO_VALUES,
+    overrides: ValuesParameter = NO_VALUES,
+    grid: Annotated[Mapping[str, list[Any]] | None, FormParameter()] = NO_VALUES,
+    random: Annotated[Mapping[str, Mapping[str, list[Any]]] | None, FormParameter()] = NO_VALUES,
     trials: int = 4,
     seed: int = 0,
     concurrency: int = 2,
     metric: str = "eval/loss",
     deployment: str = "",
     config_file: str = "",
-    early_stop: EarlyStopping | None = None,
+    early_stop: Annotated[EarlyStopping | Mapping[str, Any] | None, EARLY_STOP_FORM] = NO_VALUES,
 ) -> SweepResult:
     """Train one recipe once per trial and compare the trials; the best one's model version
     gets the ``sweep-best`` alias.

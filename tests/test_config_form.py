@@ -7,9 +7,12 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from form_helpers import form_problems
 
 from titan_core.config.argv import cli_values
 from titan_core.config.form import (
+    CHANGE_TAB,
+    KEEP_TAB,
     RUN_FIELDS,
     ConfigForm,
     attribute_docstrings,
@@ -37,32 +40,45 @@ def test_form_has_every_section_and_field_with_help_and_no_default() -> None:
                 walk(f"{section}.{name}", field["$ref"])
                 continue
             keys.append(f"{section}.{name}")
-            # No default and no null type: an empty field shows as an empty input and is left
-            # out of the submitted value (the recipe's value stays); titled by its key.
-            if {"type": "boolean"} in field.get("anyOf", []):  # a switch: None = untouched
-                assert field["anyOf"] == [{"type": "boolean"}, {"type": "null"}], name
-                assert field["default"] is None, name
-            else:
-                assert "default" not in field and "anyOf" not in str(field), name
-            assert field["title"] == name and field["description"].endswith("."), name
+            # No default and no null type, switches included: an empty field shows as an empty
+            # input, an untouched switch as off, and neither is submitted (the chosen recipe's
+            # value stays); titled by its key; the help claims no recipe's value.
+            assert "default" not in field and "anyOf" not in str(field), name
+            assert field["title"] == name and field["description"].endswith(")."), name
+            assert "keeps the chosen recipe's value" in field["description"], name
+            assert " (engine default: " in field["description"], name
+            switch = "Left untouched, it keeps the chosen recipe's value, whatever the switch"
+            assert (switch in field["description"]) == (field["type"] == "boolean"), name
 
-    # The run group first, then every section folded: null (untouched, submits nothing) until
-    # a user picks the section's form.
+    # The run group first, then every section folded: two tabs, the first of which submits
+    # nothing (only an empty object is valid there), the second the section's form.
     sections = schema["properties"]
     assert list(sections) == ["run", *(f.name for f in dataclasses.fields(JobConfig))]
     for section, prop in list(sections.items())[1:]:
-        assert prop["default"] is None and prop["anyOf"][1] == {"type": "null"}, section
+        keep, change = prop["anyOf"]
+        assert keep == {
+            "title": KEEP_TAB,
+            "description": f"Every {section} setting keeps the chosen recipe's value; change "
+            "sets some.",
+            "type": "object",
+            "properties": {},
+            "additionalProperties": False,
+        }, section
+        assert change["title"] == CHANGE_TAB and "default" not in prop, section
         assert prop["title"] == section and prop["description"].startswith(f"[{section}]")
-        walk(section, prop["anyOf"][0]["$ref"])
+        walk(section, change["$ref"])
+    assert form_problems(schema) == []  # no null, no class name, every tab titled
     # Every key but the config file (the flows' config_file parameter) is in the form.
     assert keys == [k for k in config_schema(JobConfig) if k != "job.config_file"]
     docs = attribute_docstrings(Training)
     steps = schema["$defs"]["TrainingForm"]["properties"]["steps"]
     assert steps["type"] == "integer"
-    assert steps["description"] == docs["steps"] + " Default: 100 (empty: the recipe's value)."
+    assert steps["description"] == (
+        docs["steps"] + " Empty keeps the chosen recipe's value (engine default: 100)."
+    )
     mix = schema["$defs"]["DataloaderForm"]["properties"]["mix"]
     assert mix["type"] == "array" and mix["items"] == {"type": "string"}
-    assert mix["examples"] == [[]] and "Default: [] " in mix["description"]
+    assert mix["examples"] == [[]] and "(engine default: [])" in mix["description"]
     # Placeholders survive a markdown renderer (the Prefect UI's help text).
     root = schema["$defs"]["JobForm"]["properties"]["dump_folder"]["description"]
     assert "`<dump_folder>/<experiment>/<run_id>/`" in root
@@ -74,7 +90,7 @@ def test_run_group_comes_first_and_sets_its_keys() -> None:
     run = schema["$defs"]["RunForm"]["properties"]
     assert {name: field["title"] for name, field in run.items()} == RUN_FIELDS
     assert run["steps"]["type"] == "integer" and "default" not in run["steps"]
-    assert "Sets training.steps. Default: 100 " in run["steps"]["description"]
+    assert "Sets training.steps. Empty keeps the " in run["steps"]["description"]
     assert run["lr"]["type"] == "number" and run["dataset"]["type"] == "string"
     form = ConfigForm.model_validate({"run": {"steps": 5, "lr": 0.01}, "training": {"seq_len": 64}})
     assert form_to_values(form) == {
@@ -92,11 +108,12 @@ def test_run_group_comes_first_and_sets_its_keys() -> None:
 
 
 def test_recipe_schema_shows_the_recipes_values() -> None:
-    """What ``titan pipeline deploy`` does to a deployment's schema: every field's default is
-    the recipe's value (in its help and examples); booleans become plain switches at it."""
+    """What ``titan pipeline deploy`` does to a deployment's schema: every field's help adds the
+    value its runs start from, named as the deployed one (a user may pick another recipe in the
+    same form), and its examples are that value; nothing gets a default, switches included."""
     schema = {
-        "properties": {"recipe": {"type": "string"}, "config": {"anyOf": [
-            {"$ref": "#/definitions/ConfigForm"}, {"type": "null"}]}},
+        "properties": {"recipe": {"type": "string"},
+                       "config": {"$ref": "#/definitions/ConfigForm", "default": {}}},
         "definitions": ConfigForm.model_json_schema(ref_template="#/definitions/{model}")[
             "$defs"] | {"ConfigForm": ConfigForm.model_json_schema()},
     }  # fmt: skip
@@ -107,28 +124,34 @@ def test_recipe_schema_shows_the_recipes_values() -> None:
     warmup = defs["LRSchedulerForm"]["properties"]["warmup_steps"]
     assert warmup["examples"] == [cfg.lr_scheduler.warmup_steps]
     assert warmup["description"].endswith(
-        f"Default: {cfg.lr_scheduler.warmup_steps}, from recipe llama3_debugmodel; engine "
-        "default 10 (empty keeps it)."
+        "Empty keeps the chosen recipe's value (as deployed, recipe llama3_debugmodel: "
+        f"{cfg.lr_scheduler.warmup_steps})."
     )
     steps = defs["RunForm"]["properties"]["steps"]
-    engine = "" if cfg.training.steps == 100 else "; engine default 100"
     assert steps["description"].endswith(
-        f"Sets training.steps. Default: {cfg.training.steps}, from recipe llama3_debugmodel"
-        f"{engine} (empty keeps it)."
+        "Sets training.steps. Empty keeps the chosen recipe's value (as deployed, recipe "
+        f"llama3_debugmodel: {cfg.training.steps})."
     )
     enable = defs["CheckpointForm"]["properties"]["enable"]
-    assert enable["type"] == "boolean" and "anyOf" not in enable
-    assert enable["default"] is cfg.checkpoint.enable
-    assert "default" not in defs["TrainingForm"]["properties"]["steps"]  # numbers stay empty
-    assert schema["definitions"]["CheckpointForm"]["properties"]["enable"]["anyOf"]  # a copy
-    # Every boolean of every section is now a plain switch.
-    switches = [f for d in defs.values() for f in d.get("properties", {}).values()
-                if f.get("type") == "boolean"]  # fmt: skip
-    assert len(switches) > 20 and all("anyOf" not in f and "default" in f for f in switches)
+    assert enable == schema["definitions"]["CheckpointForm"]["properties"]["enable"] | {
+        "description": enable["description"], "examples": [cfg.checkpoint.enable]
+    }  # fmt: skip
+    assert enable["description"].endswith(
+        "whatever the switch shows (as deployed, recipe llama3_debugmodel: "
+        f"{str(cfg.checkpoint.enable).lower()})."
+    )
+    assert "engine default" in schema["definitions"]["TrainingForm"]["properties"]["steps"][
+        "description"]  # a copy  # fmt: skip
+    fields = [f for d in defs.values() for f in d.get("properties", {}).values() if "type" in f]
+    assert len(fields) > 180 and not [f for f in fields if "default" in f]
+    assert not [f for f in fields if "engine default" in f.get("description", "")]
+    assert form_problems(new) == []
 
 
 def test_form_to_values_gives_only_the_fields_set() -> None:
     assert form_to_values(None) == {} and form_to_values(ConfigForm()) == {}
+    # A section given as null (what run forms before the folded tabs submitted) is untouched.
+    assert flow_values({"training": None, "run": None, "job": {}}, None) == {}
     form = ConfigForm.model_validate(
         {"training": {"steps": 4, "max_norm": 2}, "validation": {"enable": False}}
     )
@@ -261,9 +284,13 @@ def test_config_flows_take_the_config_the_same_way() -> None:
         assert params["recipe"]["type"] == "string", name
         # One default recipe: retrain and compare default to the line and store pretrain writes.
         assert params["recipe"]["default"] == DEFAULT_RECIPE, name
-        assert params["config"]["anyOf"][0] == {"$ref": "#/definitions/ConfigForm"}, name
+        # The form itself and plain objects, with nothing set: no "| None" switch, no null
+        # type, default or class name anywhere in the run form.
+        assert params["config"]["$ref"] == "#/definitions/ConfigForm", name
+        assert params["config"]["default"] == {}, name
         assert {k: schema["definitions"][k] for k in forms} == forms, name
-        assert params["overrides"]["anyOf"][0]["type"] == "object", name
+        assert params["overrides"]["type"] == "object" and params["overrides"]["default"] == {}
+        assert form_problems(schema, f"{name}: ") == []
     assert list(schemas["retrain"]["properties"]) == [
         "steps", "recipe", "experiment", "config", "overrides", "config_file", "parent_run_id"
     ]  # fmt: skip

@@ -7,9 +7,9 @@ Checks the pipeline deployments' parameters against the config schema (the old `
 line naming the new key) and that a Prefect server answers at ``PREFECT_API_URL``, creates the
 work pool when it is missing (a process pool unless ``--pool-type`` says otherwise), then runs
 ``prefect deploy`` from the project root so the entrypoints (``flows/*.py:flow``) resolve and
-process workers start their flow runs there. Last, it points each config deployment's run form
-at the values its runs start from (``recipe_schema``: each field's help gives the recipe's
-value, booleans become switches that start at it).
+process workers start their flow runs there. Last, it adds to each config deployment's run form
+the values its runs start from (``recipe_schema``: each field's help names its value as
+deployed, after saying that an empty field keeps the value of the recipe chosen in the form).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def deploy(
     rc = subprocess.run(cmd, cwd=project_dir, env=env, check=False).returncode
     if rc == 0:
         for name in show_recipe_defaults(prefect_file, names):
-            print(f"run form of {name}: defaults are its recipe's values")
+            print(f"run form of {name}: help gives the values as deployed")
     return rc
 
 
@@ -132,8 +132,8 @@ def _config_deployments(prefect_file: Path, names: list[str] | None) -> list[dic
 
 
 def show_recipe_defaults(prefect_file: Path, names: list[str] | None = None) -> list[str]:
-    """Rewrite the parameter schema of each config deployment of ``prefect_file`` for the config
-    its runs start from (its recipe, config file, config and overrides): returns the
+    """Add to the parameter schema of each config deployment of ``prefect_file`` the values of
+    the config its runs start from (its recipe, config file, config and overrides): returns the
     deployments' names (``flow/deployment``)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import DeploymentUpdate

@@ -2,17 +2,19 @@
 
 One pydantic model per section, generated from the dataclasses of ``job.py``: every field is
 optional with default ``None`` ("unset keeps the recipe's value"), typed as in the dataclass,
-and described by its docstring plus the engine default. No field carries a schema ``default``:
-the Prefect UI pre-fills and submits defaults, which would overwrite the recipe's values. The
-engine default is in the description ("Default: 100.") and in ``examples``.
+and described by its docstring plus the engine default. No field carries a schema ``default``
+and none is nullable: the Prefect UI pre-fills and submits defaults (which would overwrite the
+chosen recipe's values) and shows a nullable field as an ``X | None`` switch. An empty field is
+left out of the submitted value; a switch (a boolean) submits nothing until it is touched.
 
 The form opens with ``run``, the few settings most runs change (``RUN_FIELDS``: steps, batch,
-learning rate, dataset, processes, experiment); every section after it is folded (``None``
-until a user opens it, so an untouched section submits nothing). ``job.config_file`` is left
-out: the flows' own ``config_file`` parameter sets it. ``recipe_schema`` rewrites a deployed
-schema for the recipe its deployment runs (``titan pipeline deploy``): each help text gives
-the recipe's value, and booleans become plain switches that start at the recipe's value (a
-switch has no empty state, so an untouched one submits what it shows).
+learning rate, dataset, processes, experiment); every section after it is folded: a choice of
+two tabs, "recipe's values" (submits nothing) and "change" (the section's fields), so an
+untouched section is left out of the submitted value. ``job.config_file`` is left out: the
+flows' own ``config_file`` parameter sets it. ``FormParameter`` gives a flow parameter the same
+shape (no ``None`` choice), and ``recipe_schema`` adds to a deployed schema's help the values of
+the recipe its deployment runs (``titan pipeline deploy``), while saying the chosen recipe's
+value is what an empty field keeps.
 """
 
 from __future__ import annotations
@@ -24,10 +26,18 @@ import json
 import re
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import docstring_parser
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    ValidationError,
+    create_model,
+    field_validator,
+)
 
 from titan_core.config.job import JobConfig
 from titan_core.config.schema import get_value, moved_hint, schema
@@ -46,7 +56,16 @@ RUN_FIELDS: dict[str, str] = {
 """The ``run`` group at the top of the form: its fields and the keys they set."""
 FORM_HIDDEN = frozenset({"job.config_file"})
 """Keys the form leaves out: the flows' own ``config_file`` parameter sets the config file."""
-_DEFAULT_RE = re.compile(r" Default: (.*) \(empty: the recipe's value\)\.$")
+KEEP_TAB = "recipe's values"
+"""Title of a folded section's first tab: it submits nothing, so the section keeps the chosen
+recipe's values."""
+CHANGE_TAB = "change"
+"""Title of a folded section's second tab: the section's fields."""
+NO_VALUES: Final[Mapping[str, Any]] = {}
+"""Default of the flows' optional mapping parameters (``config``, ``overrides``, a sweep's
+``grid``): nothing set. ``None`` would be a null default, which the Prefect UI submits (and
+shows as an ``X | None`` switch). Never mutated."""
+_ENGINE_DEFAULT_RE = re.compile(r" \(engine default: (.*)\)\.$")
 
 
 def attribute_docstrings(cls: type) -> dict[str, str]:
@@ -74,12 +93,8 @@ def markdown_safe(text: str) -> str:
 
 def _plain_optional(schema: dict[str, Any]) -> None:
     """JSON schema of an optional form field as its plain type, with no default: a form shows an
-    empty input of that type (not a type switch with null selected), and an empty field is left
-    out of the submitted value, which keeps the recipe's setting. Booleans stay nullable."""
-    if any(s.get("type") == "boolean" for s in schema.get("anyOf", [])):
-        # A switch has no empty state: a form would submit an untouched one as false. A boolean
-        # keeps its None choice (and its null default), so untouched means the recipe's value.
-        return
+    empty input of that type (not a type switch with null selected), and an empty field (or an
+    untouched switch) is left out of the submitted value, which keeps the recipe's setting."""
     kinds = [s for s in schema.pop("anyOf", []) if s.get("type") != "null"]
     if len(kinds) == 1:
         schema.update(kinds[0])
@@ -94,9 +109,15 @@ def _form_field(cls: type, name: str, title: str, docs: dict[str, str], note: st
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     default = _default(f)
     assert name in docs, f"{cls.__name__}.{name} has no docstring"
+    hint = typing.get_type_hints(cls)[name]
+    # Not "Default: X": the recipe a user picks in the same form decides the value.
+    keeps = (
+        "Left untouched, it keeps the chosen recipe's value, whatever the switch shows"
+        if hint is bool
+        else "Empty keeps the chosen recipe's value"
+    )
     help_text = (
-        f"{markdown_safe(docs[name])}{note} Default: {json.dumps(default)} (empty: the recipe's "
-        "value)."
+        f"{markdown_safe(docs[name])}{note} {keeps} (engine default: {json.dumps(default)})."
     )
     field = Field(
         default=None,
@@ -105,7 +126,7 @@ def _form_field(cls: type, name: str, title: str, docs: dict[str, str], note: st
         examples=[default],
         json_schema_extra=_plain_optional,
     )
-    return typing.get_type_hints(cls)[name] | None, field
+    return hint | None, field
 
 
 def _section_form(section: str, cls: type) -> type[BaseModel]:
@@ -159,10 +180,51 @@ def _nested_form(section: str, cls: type, doc: str | None) -> tuple[type[BaseMod
     return form, Field(default_factory=form, title=title, description=description)
 
 
+def fold(
+    schema: dict[str, Any], *, keep: str = KEEP_TAB, keep_help: str = "", title: str = ""
+) -> None:
+    """Fold ``schema``, a ``$ref`` to a form, behind two tabs (a JSON schema ``anyOf``): ``keep``,
+    an empty object that submits nothing and shows ``keep_help``, then ``CHANGE_TAB``, the form.
+    The Prefect UI opens on the first; no choice is null, which it would show as ``X | None``
+    (and as 'Property is type "None"' while selected)."""
+    nothing = {"title": keep, "description": keep_help, "type": "object", "properties": {}}
+    nothing["additionalProperties"] = False  # only {}: a mistyped field is still refused
+    schema["anyOf"] = [nothing, {"$ref": schema.pop("$ref"), "title": CHANGE_TAB}]
+    if title:
+        schema["title"] = title
+
+
+@dataclasses.dataclass(frozen=True)
+class FormParameter:
+    """``Annotated`` marker of an optional flow parameter (a form or mapping, or ``None``; default
+    ``NO_VALUES``): its JSON schema, which the Prefect UI shows as a form, is that of its first
+    type alone, with no ``None`` choice; with ``keep`` (a form) it is folded (``fold``)."""
+
+    keep: str = ""
+    """Title of the tab that keeps the defaults; empty: not folded."""
+    keep_help: str = ""
+    """What that tab keeps."""
+
+    def __get_pydantic_json_schema__(
+        self, core_schema: Any, handler: GetJsonSchemaHandler
+    ) -> dict[str, Any]:
+        """The first choice of the type's schema, folded with ``keep``."""
+        shown = handler(core_schema)
+        shown = dict(shown["anyOf"][0]) if "anyOf" in shown else shown
+        if self.keep:
+            fold(shown, keep=self.keep, keep_help=self.keep_help)
+        return shown
+
+
+def _untouched(cls: type, value: Any) -> Any:
+    """A section given as ``None`` (what run forms before folded tabs submitted) is untouched."""
+    return {} if value is None else value
+
+
 @functools.cache
 def build_config_form(config_cls: type = JobConfig) -> type[BaseModel]:
-    """The ``ConfigForm`` model of ``config_cls``: the ``run`` group, then one optional form per
-    section, folded (``None``) until opened."""
+    """The ``ConfigForm`` model of ``config_cls``: the ``run`` group, then one form per section,
+    folded (``fold``): it submits nothing until its change tab is opened."""
     hints = typing.get_type_hints(config_cls)
     docs = attribute_docstrings(config_cls)
     run_form = _run_form()
@@ -173,18 +235,29 @@ def build_config_form(config_cls: type = JobConfig) -> type[BaseModel]:
     for f in dataclasses.fields(config_cls):
         form = _section_form(f.name, hints[f.name])
         description = markdown_safe(f"[{f.name}] {docs.get(f.name) or ''}".strip())
-        description += f" Switch to {f.name} to change its settings; None keeps them all."
-        sections[f.name] = (form | None, Field(default=None, title=f.name, description=description))
+        keep_help = (
+            f"Every {f.name} setting keeps the chosen recipe's value; {CHANGE_TAB} sets some."
+        )
+        folded = functools.partial(fold, keep_help=keep_help, title=f.name)
+        field = Field(default_factory=form, description=description, json_schema_extra=folded)
+        sections[f.name] = (form, field)
     return create_model(  # type: ignore[call-overload,no-any-return]
         "ConfigForm",
         __config__=ConfigDict(extra="forbid", title="job config"),
-        __doc__="Settings of the job; a field left empty keeps the recipe's value.",
+        __doc__="Settings of the job; a field left empty keeps the chosen recipe's value.",
         __module__=__name__,
+        __validators__={"untouched": field_validator("*", mode="before")(_untouched)},
         **sections,
     )
 
 
 ConfigForm = build_config_form()
+ConfigParameter = typing.Annotated[ConfigForm | Mapping[str, Any] | None, FormParameter()]
+"""Type of the flows' ``config`` parameter (default ``NO_VALUES``): the form (a deployment's runs
+pass a mapping); its schema is the form's alone."""
+ValuesParameter = typing.Annotated[Mapping[str, Any] | None, FormParameter()]
+"""Type of a flow's mapping parameter (``overrides``; default ``NO_VALUES``): an object in the
+form, with no ``None`` choice."""
 
 
 def form_to_values(form: BaseModel | None) -> dict[str, Any]:
@@ -258,30 +331,24 @@ def _ref(prop: Mapping[str, Any]) -> str | None:
 
 
 def _with_recipe_value(prop: dict[str, Any], value: Any, label: str) -> None:
-    """Point one field's help (and ``examples``) at ``label``'s value; a boolean becomes a plain
-    switch that starts at it."""
+    """Add ``label``'s value to one field's help (and ``examples``), after what an empty field
+    keeps: the chosen recipe's value, which a user may pick in the same form."""
     shown = json.dumps(value)
-    match = _DEFAULT_RE.search(prop.get("description", ""))
+    match = _ENGINE_DEFAULT_RE.search(prop.get("description", ""))
     if match:
-        engine = "" if match.group(1) == shown else f"; engine default {match.group(1)}"
         prop["description"] = (
-            prop["description"][: match.start()]
-            + f" Default: {shown}, from {label}{engine} (empty keeps it)."
+            prop["description"][: match.start()] + f" (as deployed, {label}: {shown})."
         )
     prop["examples"] = [value]
-    if {"type": "boolean"} in prop.get("anyOf", []):
-        prop.pop("anyOf")
-        prop.update(type="boolean", default=value)
 
 
 def recipe_schema(
     parameter_schema: Mapping[str, Any], cfg: JobConfig, label: str
 ) -> dict[str, Any]:
     """A flow's parameter schema (its ``config`` form) with the values of ``cfg`` (the config a
-    deployment's runs start from, named ``label``) as each field's default: in the help text,
-    and as the starting state of the boolean switches. Empty fields still keep the recipe's
-    value; a deployment whose ``recipe`` parameter a user changes keeps these defaults, which
-    the help text names."""
+    deployment's runs start from, named ``label``) in each field's help and ``examples``, named
+    as the deployed values: an empty field keeps the recipe the user picks in the form, which
+    may be another. Nothing gets a default (the form would submit it)."""
     new = copy.deepcopy(dict(parameter_schema))
     defs = new.get("definitions") or new.get("$defs") or {}
     form = _ref(new.get("properties", {}).get("config", {}))

@@ -29,7 +29,11 @@ class EarlyStopping(BaseModel):
     """Stop sweep trials whose training loss is clearly worse than the others' (median rule)."""
 
     model_config = ConfigDict(
-        extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True
+        extra="forbid",
+        frozen=True,
+        strict=True,
+        use_attribute_docstrings=True,
+        title="early stopping",  # the sweep's run form shows it: a name, not the class's
     )
 
     enable: bool = False
