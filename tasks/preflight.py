@@ -19,11 +19,10 @@ def preflight(job: JobConfig, config_url: str) -> Preflight:
     which the later stages take from ``Preflight.config``."""
     summary = run_preflight(job, config_url, run_logger())
     run_logger().info(
-        "Preflight passed: %s parameters, world size %d, estimated peak %.3f GiB per rank; "
-        "config at %s",
+        "Preflight passed: %s parameters, world size %d, estimated peak %.3f GiB per rank",
         f"{summary.num_params:,}",
         summary.world_size,
         summary.peak_memory_gib,
-        redact(config_url),
     )
+    run_logger().debug("The ranks' config is %s", redact(config_url))
     return summary

@@ -26,7 +26,7 @@ def prepare_storage(paths: RunPaths, credentials_block: str = "") -> str:
     """Load credentials, check the run root can be written and read; returns the run root."""
     configure_credentials(credentials_block, load_secret)
     check_storage(paths.run_root)
-    run_logger().info("Run root %s is writable", redact(paths.run_root))
+    run_logger().debug("Run root %s is writable", redact(paths.run_root))  # the summary names it
     return paths.run_root
 
 
@@ -37,7 +37,7 @@ def start_tracking(cfg: JobConfig, paths: RunPaths, parent_run_id: str = "") -> 
     from prefect.runtime import flow_run
 
     ctx = start_pipeline_run(cfg, paths, str(flow_run.id or ""), parent_run_id)
-    run_logger().info(
+    run_logger().debug(  # the closing lines say how to open it
         "MLflow: experiment %r, parent run %s at %s",
         ctx.experiment,
         ctx.parent_run_id,

@@ -81,7 +81,8 @@ def train(
             log_dir=os.path.join(side, "logs", f"attempt-{attempt}"),
         )
         launcher = job_launcher(cfg)
-        logger.info("Launching (%s): %s", cfg.launch.backend, redact(launcher.render(spec)))
+        # Hundreds of characters: on the console with `titan pipeline run -v` (and in the UI).
+        logger.debug("Launching (%s): %s", cfg.launch.backend, redact(launcher.render(spec)))
         try:
             result = launcher.run(spec, on_line=lambda line: relay_line(logger, line))
             record_train_run(tracking, mlflow_run_id, side, config_url)

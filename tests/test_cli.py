@@ -72,7 +72,7 @@ COMMANDS = [
         typed="--max-runs",
         note=CONFIG_NOTE,
     ),
-    Row(["pipeline", "run"], "--run-id", note=CONFIG_NOTE),
+    Row(["pipeline", "run"], "--run-id --verbose", note=CONFIG_NOTE),
     Row(["pipeline", "deploy"], "--prefect-file --pool --pool-type --name"),
     Row(
         ["sweep"],

@@ -124,7 +124,9 @@ class Command(Generic[T]):
     refused in one line naming the key and hidden from ``--help``. ``note``: what ``--help``
     says about config arguments (``OVERRIDES_NOTE`` where the command picks the recipe).
     ``config_help``: ``--help`` lists every config key too, with the defaults of the recipe
-    that ``--config`` names (``titan train``, ``titan config``).
+    that ``--config`` names (``titan train``, ``titan config``). ``short``: one-letter spellings
+    of own flags (``-v`` -> ``--verbose``; ``tyro.conf.arg(aliases=...)`` shows them in
+    ``--help``).
     """
 
     prog: str
@@ -135,11 +137,13 @@ class Command(Generic[T]):
     renamed: Mapping[str, str] = field(default_factory=dict)
     note: str = CONFIG_NOTE
     config_help: bool = False
+    short: Mapping[str, str] = field(default_factory=dict)
 
     def parse(self, argv: list[str]) -> Parsed[T]:
         """Parse ``argv``; ``-h``/``--help`` prints the help and raises ``SystemExit(0)``."""
         if "-h" in argv or "--help" in argv:
             self._help(argv)
+        argv = [self.short.get(token, token) for token in argv]
         schema = _options_schema(self.options)
         try:
             return self._parse(argv, schema)

@@ -1,12 +1,14 @@
 """``titan pipeline``: run the Prefect flows from the command line (embedded Prefect, no server).
 
-    titan pipeline run [--config RECIPE [--module FAMILY]] [--config-file F] [--run-id ID]
+    titan pipeline run [--config RECIPE [--module FAMILY]] [--config-file F] [--run-id ID] [-v]
                        [--section.field v ...]   # e.g. --job.dump_folder URL --tracking.uri URI
                                                  #      --evaluate.batches N
     titan pipeline deploy [--pool NAME] [--name DEPLOYMENT ...] [--prefect-file FILE]
 
 Without ``PREFECT_API_URL`` Prefect starts a temporary local server whose database lives under
-``PREFECT_HOME`` (default ``./outputs/.prefect``); analytics are off. ``titan demo`` runs the
+``PREFECT_HOME`` (default ``./outputs/.prefect``); analytics are off. The console shows what the
+stages say in one format, without Prefect's and MLflow's boilerplate
+(``titan_core.pipeline.run.console``); ``-v`` adds the launch command. ``titan demo`` runs the
 pipeline on the debug model with embedded defaults (and continues its model line when rerun).
 """
 
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import tyro
 
 from titan_core.cli.command import Command, ConfigArgs, dispatch, run
 from titan_core.errors import ConfigError
@@ -35,6 +39,8 @@ class RunOptions:
 
     run_id: str = ""
     """reuse a run root (resumes its training)"""
+    verbose: Annotated[bool, tyro.conf.arg(aliases=["-v"])] = False
+    """show DEBUG lines of the stages on the console too (the launch command)"""
 
 
 PIPELINE_RUN = Command(
@@ -44,17 +50,31 @@ PIPELINE_RUN = Command(
     f"{DEFAULT_RECIPE}. Overrides often given: --job.dump_folder URL, --tracking.uri URI, "
     "--evaluate.batches N.",
     renamed=RENAMED_FLAGS,
+    short={"-v": "--verbose"},
 )
 
 
-def prepare_prefect_env() -> str:
-    """Point Prefect at a project-local home (unless set) with analytics off; returns the home.
+def prepare_prefect_env(verbose: bool = False) -> str:
+    """Point Prefect at a project-local home (unless set) with analytics off and the console's
+    settings (``console_settings``; ``verbose``: the stages' DEBUG lines too); returns the home.
 
-    Must run before Prefect is imported: it reads its settings once.
+    Must run before Prefect (or MLflow) is imported: it reads its settings once.
     """
+    from titan_core.logging import init_logger
+    from titan_core.pipeline.run.console import console_settings
+
     home = os.path.abspath(os.environ.setdefault("PREFECT_HOME", DEFAULT_PREFECT_HOME))
     os.environ["PREFECT_HOME"] = home
     os.makedirs(home, exist_ok=True)  # Prefect creates only the last path component
+    quiet, asked = console_settings(), console_settings(verbose)
+    for name, value in asked.items():  # what the user set wins, except what -v asks for
+        if name in quiet:
+            os.environ.setdefault(name, value)
+        else:
+            os.environ[name] = value
+    # The engine's logger is set up once per process; done now, Prefect's logging config (which
+    # sets its level on the console) comes after, not before.
+    init_logger()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT", "false")
     # The temporary server migrates a new database on its first start: slow on a busy machine.
@@ -86,9 +106,15 @@ def where_to_look(result: dict[str, Any], prefect_home: str) -> str:
     """The lines printed after a run: artifacts, the MLflow UI and the Prefect UI commands."""
     from titan_core.pipeline.run.tracking import mlflow_ui
 
+    root = result["run_root"].rstrip("/") + "/"
+
+    def in_run(url: str) -> str:  # a line each stays short: the artifacts relative to the root
+        return url.removeprefix(root) if url.startswith(root) else url
+
     lines = [
         f"pipeline: run {result['run_id']} done; artifacts in {result['run_root']}",
-        f"  Hugging Face export: {result['hf']}   eval report: {result['eval_report']}",
+        f"  Hugging Face export: {in_run(result['hf'])}   "
+        f"eval report: {in_run(result['eval_report'])}",
     ]
     if result.get("dataset"):
         lines.append(
@@ -101,8 +127,15 @@ def where_to_look(result: dict[str, Any], prefect_home: str) -> str:
             f"  model {result['model_name']} v{result['model_version']} ({role}); "
             f"eval loss {result['metrics'].get('eval/loss', float('nan')):.4f}"
         )
-    if result.get("tracking_uri"):
-        lines.append(f"  MLflow UI:  {mlflow_ui(result['tracking_uri'], result)}")
+    if result.get("drill"):
+        lines.append("  drill (debug.drill): no model version registered, no alias moved")
+    if result.get("health_summary"):  # the step guard's incidents, one line each
+        lines.append(f"  training health: {result['health_summary']}")
+        lines += [f"    {line}" for line in result.get("incidents", [])]
+    if result.get("tracking_uri"):  # the command, then the page on a line of its own
+        command, _, page = mlflow_ui(result["tracking_uri"], result).partition("  (then open ")
+        lines.append(f"  MLflow UI:  {command}")
+        lines += [f"              then open {page.removesuffix(')')}"] if page else []
     if os.environ.get("PREFECT_API_URL"):
         lines.append(f"  Prefect UI: {os.environ['PREFECT_API_URL'].removesuffix('/api')}")
     else:
@@ -123,7 +156,7 @@ def run_pipeline(kwargs: dict[str, Any], run_id: str = "") -> dict[str, Any]:
 def _run(argv: list[str]) -> int:
     parsed = PIPELINE_RUN.parse(argv)
     kwargs = flow_kwargs(parsed.config)
-    home = prepare_prefect_env()
+    home = prepare_prefect_env(parsed.options.verbose)
     result = run_pipeline(kwargs, parsed.options.run_id)
     print(where_to_look(result, home))
     return 0

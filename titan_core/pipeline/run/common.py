@@ -89,15 +89,26 @@ def titan_logger() -> logging.Logger:
 # (`…/x.py:12: UserWarning: …`).
 _WARNING_LINE = re.compile(r"\bWARNING\b|\b[A-Z]\w*Warning: ")
 _ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b")
+# titan's INFO lines on how the training goes: its steps (metrics, validation), the checkpoints
+# it saves, the replica groups, its end. A rank's other INFO lines say how it set itself up
+# (the model, what it loaded, the MFU peak, where metrics go).
+_TITAN_INFO = re.compile(r"\[titan\] [\d:]+ INFO ")
+_PROGRESS = re.compile(
+    r"INFO (step: |Training steps |Saved checkpoint |Training done |stopped early "
+    r"|fault tolerance: )"
+)
 
 
 def relay_line(logger: Any, line: str) -> None:
     """Log a line a rank printed at the level it reads as (warnings and errors stand out in
-    the Prefect UI's log filter), secrets redacted."""
+    the Prefect UI's log filter), secrets redacted. titan's INFO lines on how a rank set itself
+    up go at DEBUG: the Prefect UI shows them, the pipeline console with ``-v``."""
     line = redact(line)
     if _ERROR_LINE.search(line):
         logger.error(line)
     elif _WARNING_LINE.search(line):
         logger.warning(line)
+    elif _TITAN_INFO.search(line) and not _PROGRESS.search(line):
+        logger.debug(line)
     else:
         logger.info(line)
