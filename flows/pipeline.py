@@ -20,12 +20,12 @@ from tasks.evaluate import evaluate
 from tasks.preflight import preflight
 from tasks.publish import publish
 from tasks.runs import prepare_storage, start_tracking
-from tasks.runtime import current_run_id, name_flow_run, run_id_name
+from tasks.runtime import current_run_id, name_flow_run, result_storage, run_id_name
 from tasks.seed import create_seed_checkpoint
 from tasks.tokenizer import download_tokenizer
 from tasks.train import train, upload_run_files
 from titan_core import storage
-from titan_core.config.form import ConfigForm, flow_values
+from titan_core.config.form import NO_VALUES, ConfigParameter, ValuesParameter, flow_values
 from titan_core.config.job import JobConfig
 from titan_core.pipeline.run.common import public_url
 from titan_core.pipeline.run.config import DEFAULT_RECIPE, flow_run_tags, run_config
@@ -44,8 +44,10 @@ from titan_core.pipeline.stages.tokenizer import tokenizer_source
 from titan_core.resolve import resolve_job
 
 
-def cached(task_fn: Any, valid: Callable[[Any], bool], **kwargs: Any) -> Any:
-    """Run a cached task; run it afresh when the cached result no longer exists in storage."""
+def cached(task_fn: Any, valid: Callable[[Any], bool], paths: RunPaths, /, **kwargs: Any) -> Any:
+    """Run a cached task, its results in the output root (``paths.results``: one cache for the
+    CLI, workers and schedules); run it afresh when the cached result no longer exists."""
+    task_fn = task_fn.with_options(result_storage=result_storage(paths.results))
     result = task_fn(**kwargs)
     if not valid(result):
         result = task_fn.with_options(refresh_cache=True)(**kwargs)
@@ -76,7 +78,13 @@ def train_and_publish(
     hf_url = convert_to_hf(checkpoint, cfg, tracking=tracking)  # its [convert] section
     evaluation = evaluate(checkpoint, cfg, tracking=tracking)  # its [evaluate] section
     published = publish(
-        paths.run_root, checkpoint, hf_url, evaluation, tracking, cfg.tracking.registered_model
+        paths.run_root,
+        checkpoint,
+        hf_url,
+        evaluation,
+        tracking,
+        cfg.tracking.registered_model,
+        drill=cfg.debug.drill,  # a drill is summarised, never registered
     )
     uri = public_url(tracking.uri) if tracking else ""  # shown to people: no credentials
     health = dataclasses.asdict(trained.health)
@@ -88,7 +96,7 @@ def prepare_stage(cfg: JobConfig, paths: RunPaths, tokenizer_url: str) -> Prepar
     the same sources and tokenizer tokenizes nothing); records the dataset in the run root."""
     if not cfg.data.sources:
         return None
-    prepared = cached(prepare_data, is_stored, **prepare_params(cfg, tokenizer_url))
+    prepared = cached(prepare_data, is_stored, paths, **prepare_params(cfg, tokenizer_url))
     record_dataset(paths.run_root, prepared)
     return prepared
 
@@ -108,8 +116,10 @@ def run_tracked(
         end_pipeline_run(tracking, "FAILED")
         raise
     end_pipeline_run(tracking, "FINISHED")
+    if tracking is None:  # tracking.enable off
+        return {**result, "mlflow_run_id": "", "mlflow_experiment_id": ""}
     ids = {"mlflow_run_id": tracking.parent_run_id, "mlflow_experiment_id": tracking.experiment_id}
-    return {**result, **(ids if tracking else {"mlflow_run_id": "", "mlflow_experiment_id": ""})}
+    return {**result, **ids}
 
 
 # validate_parameters=False: the parameters are checked by flow_values/resolve_job, whose errors
@@ -117,8 +127,8 @@ def run_tracked(
 @flow(name="pretrain_pipeline", flow_run_name=run_id_name, validate_parameters=False)
 def pretrain_pipeline(
     recipe: str = DEFAULT_RECIPE,
-    config: ConfigForm | None = None,
-    overrides: dict[str, Any] | None = None,
+    config: ConfigParameter = NO_VALUES,
+    overrides: ValuesParameter = NO_VALUES,
     config_file: str = "",
     run_id: str = "",
     parent_run_id: str = "",
@@ -149,6 +159,7 @@ def pretrain_pipeline(
         tokenizer_url = cached(
             download_tokenizer,
             storage.exists,
+            paths,
             source=source,
             dest=paths.path("tokenizer"),
             root=paths.root,
@@ -163,6 +174,7 @@ def pretrain_pipeline(
         seed_url = cached(
             create_seed_checkpoint,
             is_complete,
+            paths,
             job=checked.config,
             identity=seed_identity(checked.config, checked.model_args, paths.root),
         )

@@ -39,7 +39,7 @@ def convert_to_hf(
     else:
         run_logger().info(
             "Exported %s to %s (%d shards)",
-            redact(checkpoint_url),
+            checkpoint_url.rstrip("/").rsplit("/", 1)[-1],  # step-N: its run is the export's
             redact(export.url),
             export.num_shards,
         )

@@ -28,15 +28,17 @@ def publish(
     evaluation: Evaluation,
     tracking: TrackingContext | None = None,
     registered_model: str = "",
+    drill: bool = False,
 ) -> Publication:
-    """Register ``hf_url`` as a model version, move ``champion`` if it improved, summarise the
-    run as Prefect artifacts (summary, metrics table, where the run root and export are)."""
+    """Register ``hf_url`` as a model version, move ``champion`` if it improved (never for a
+    ``drill``), summarise the run as Prefect artifacts (summary with the step guard's incidents,
+    metrics table, where the run root and export are)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
     from prefect.runtime import flow_run  # the recipe is the flow's parameter (retrain: none)
 
     recipe = str((flow_run.parameters or {}).get("recipe") or "")
     pub = publish_run(
-        run_root, checkpoint_url, hf_url, evaluation, tracking, registered_model, recipe
+        run_root, checkpoint_url, hf_url, evaluation, tracking, registered_model, recipe, drill
     )
     create_markdown_artifact(
         summary_markdown(pub), key="run-summary", description="Pipeline run summary"
@@ -52,7 +54,12 @@ def publish(
         )
     outcome = " (new champion)" if pub.champion else " (champion unchanged)"
     registered = f"model {pub.model_name} v{pub.model_version}{outcome}"
+    if drill:
+        registered = "a drill, not registered"
     run_logger().info(
-        "Published %s: %s", redact(hf_url), registered if tracking is not None else "untracked"
+        "Published %s: %s%s",
+        redact(hf_url),
+        registered if tracking is not None or drill else "untracked",
+        f"; training health: {pub.health_summary}" if pub.health_summary else "",
     )
     return pub

@@ -1,5 +1,5 @@
 """Prefect runtime glue shared by tasks and flows: task runners, flow-run names and tags, one-line
-console errors, secrets from blocks, the run logger.
+console errors, secrets from blocks, the run logger, where cached results live.
 
 Only what needs Prefect lives here (``tests/test_thin_tasks.py`` checks that every function does);
 what it wraps is in ``titan_core.pipeline``, which never imports Prefect: stage code takes the
@@ -26,14 +26,23 @@ from titan_core.pipeline.run.paths import is_run_id, new_run_id
 
 
 def run_logger() -> Logger:
-    """The Prefect run logger inside a task or flow, the ``titan`` logger elsewhere."""
+    """The Prefect run logger inside a task or flow, the ``titan`` logger elsewhere.
+
+    In a run it is the run logger's child ``titan`` (``prefect.task_runs.titan``): its records
+    reach the Prefect UI as the run logger's do, DEBUG included (the launch command) unless a
+    logging config sets its level, and the pipeline console's logging config
+    (``titan_core/pipeline/run/logging.yml``) tells them from what Prefect's engine says."""
     from prefect.exceptions import MissingContextError
     from prefect.logging import get_run_logger
 
     try:
-        return get_run_logger()
+        logger = get_run_logger().getChild("titan")
     except MissingContextError:
         return titan_logger()
+    named = logging.getLogger(logger.name)
+    if named.level == logging.NOTSET:  # no logging config names it (Prefect's own config)
+        named.setLevel(logging.DEBUG)
+    return logger
 
 
 def load_secret(block: str) -> Any:
@@ -105,6 +114,31 @@ def name_flow_run(name: str, tags: list[str]) -> None:
         client.update_flow_run(flow_run.id, name=name, tags=merged)
     # The context's copy too, so that later reads in this run (logs, runtime) agree.
     flow_run.name, flow_run.tags = name, merged
+
+
+# ------------------------------------------------------------------ the cache
+
+
+def result_storage(url: str) -> Any:
+    """Prefect result storage at ``url`` (a folder or an ``s3://`` URL): where the cached stages
+    keep their results, i.e. the cache. Set on each cached task with the output root's folder
+    (``RunPaths.results``), it is the same for every way a flow run starts, where Prefect's
+    default (``PREFECT_LOCAL_STORAGE_PATH``) follows each process's ``PREFECT_HOME``.
+
+    A folder is a ``Path``; a URL a ``RemoteFileSystem`` block, which Prefect wants saved: it is
+    saved (``titan-results-<hash of the URL>``, no credentials in it) on the API this run uses."""
+    import hashlib
+    from pathlib import Path
+
+    from prefect.filesystems import RemoteFileSystem
+
+    from titan_core import storage
+
+    if not storage.is_url(url):
+        return Path(os.path.abspath(url.removeprefix("file://")))
+    block = RemoteFileSystem(basepath=url)
+    block.save(f"titan-results-{hashlib.sha256(url.encode()).hexdigest()[:16]}", overwrite=True)
+    return block
 
 
 # ------------------------------------------------------------------ task runners

@@ -28,7 +28,8 @@ from typing import Any
 
 import pytest
 import yaml
-from pipeline_helpers import tiny_values
+from form_helpers import form_problems
+from pipeline_helpers import task_runs, tiny_overrides, tiny_values
 from pipeline_servers import (
     BIN,
     MlflowServer,
@@ -41,9 +42,9 @@ from tracking_data import log_pipeline_run
 
 from titan_core.checkpoint.manager import complete_steps
 from titan_core.cli.deploy import DEFAULT_POOL
-from titan_core.config.form import RUN_FIELDS, flow_values
+from titan_core.config.form import CHANGE_TAB, KEEP_TAB, RUN_FIELDS
 from titan_core.config.job import JobConfig
-from titan_core.config.schema import get_value, to_dict
+from titan_core.config.schema import get_value
 from titan_core.resolve import resolve_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,9 +290,11 @@ def _runs_of(stack: Stack, deployment: str) -> list[Any]:
 
 def test_pipeline_parameters_are_the_config_form(stack: Stack) -> None:
     """The deployed schema has every section and field of the config, typed, with its
-    docstring and the recipe's value as help, and no default that would overwrite the recipe:
-    the run group first, every section folded (null until opened), numbers empty, booleans
-    plain switches starting at the recipe's value (``titan pipeline deploy``'s rewrite)."""
+    docstring as help, then what an empty field keeps (the chosen recipe's value) and the value
+    as deployed, and no default the form would submit: the run group first, every section
+    folded behind two tabs ("recipe's values" submits nothing, "change" opens it), no null
+    type, default or class name anywhere (``titan pipeline deploy``'s rewrite); a run from the
+    form stores the values given and nothing else."""
     with api(stack.prefect) as client:
         dep = client.read_deployment_by_name("pretrain_pipeline/pretrain")
     assert dep.enforce_parameter_schema
@@ -302,9 +305,10 @@ def test_pipeline_parameters_are_the_config_form(stack: Stack) -> None:
                             "parent_run_id"]  # fmt: skip
     assert all(p.get("description") for p in params.values())
     defs = schema["definitions"]
-    form = defs[params["config"]["anyOf"][0]["$ref"].rsplit("/", 1)[-1]]
+    assert params["config"]["$ref"] == "#/definitions/ConfigForm"
+    form = defs["ConfigForm"]
     recipe = resolve_job("llama3_debugmodel")
-    from_recipe = ", from recipe llama3_debugmodel"
+    as_deployed = "(as deployed, recipe llama3_debugmodel: "
 
     def check_section(ref: str, cls: type, prefix: str) -> None:
         fields = defs[ref.rsplit("/", 1)[-1]]["properties"]
@@ -314,25 +318,23 @@ def test_pipeline_parameters_are_the_config_form(stack: Stack) -> None:
         ]
         assert list(fields) == names, cls.__name__
         for name, field in fields.items():
+            assert "default" not in field, name  # nothing the form would submit, switches too
             if dataclasses.is_dataclass(hints[name]):  # a nested section ([launch.slurm])
-                assert "default" not in field, name
                 check_section(field["$ref"], hints[name], f"{prefix}{name}.")
                 continue
             value = get_value(recipe, f"{prefix}{name}")
-            assert f"Default: {json.dumps(value)}{from_recipe}" in field["description"], name
+            shows = ", whatever the switch shows" if field["type"] == "boolean" else ""
+            keeps = f"keeps the chosen recipe's value{shows} {as_deployed}{json.dumps(value)})."
+            assert field["description"].endswith(keeps), name
             assert field["examples"] == [value] and field["title"] == name, name
-            if field.get("type") == "boolean":  # a plain switch at the recipe's value
-                assert field["default"] is value and "anyOf" not in field, name
-            else:  # empty: nothing would overwrite the recipe
-                assert "default" not in field, name
 
     hints = typing.get_type_hints(JobConfig)
     sections = [f.name for f in dataclasses.fields(JobConfig)]
     assert list(form["properties"]) == ["run", *sections]
     for section in sections:
-        prop = form["properties"][section]
-        assert prop["default"] is None and prop["anyOf"][1] == {"type": "null"}, section
-        check_section(prop["anyOf"][0]["$ref"], hints[section], f"{section}.")
+        keep, change = form["properties"][section]["anyOf"]
+        assert (keep["title"], keep["properties"], change["title"]) == (KEEP_TAB, {}, CHANGE_TAB)
+        check_section(change["$ref"], hints[section], f"{section}.")
     run = defs["RunForm"]["properties"]
     assert [field["title"] for field in run.values()] == list(RUN_FIELDS.values())
     _check_other_config_flows(stack, defs)
@@ -340,7 +342,7 @@ def test_pipeline_parameters_are_the_config_form(stack: Stack) -> None:
     assert steps["type"] == "integer" and steps["examples"] == [recipe.training.steps]
     assert steps["description"] == (
         "Optimizer steps to train for (the total, counting steps done before a resume). "
-        f"Default: {recipe.training.steps}{from_recipe}; engine default 100 (empty keeps it)."
+        f"Empty keeps the chosen recipe's value {as_deployed}{recipe.training.steps})."
     )
     name = defs["OptimizerForm"]["properties"]["name"]
     assert name["enum"] == ["AdamW", "Adam"] and name["type"] == "string"
@@ -348,22 +350,21 @@ def test_pipeline_parameters_are_the_config_form(stack: Stack) -> None:
     assert "0 = the whole split" in batches["description"]
     assert batches["examples"] == [recipe.evaluate.batches]
     assert defs["TrainingForm"]["additionalProperties"] is False  # unknown fields: refused
-    # What the Prefect UI submits for an opened but untouched section (the switches as shown,
-    # folded sections as null) is accepted by the server and changes nothing.
-    switches = {k: f["default"] for k, f in defs["CheckpointForm"]["properties"].items()
-                if f.get("type") == "boolean"}  # fmt: skip
-    config = {section: None for section in sections} | {"checkpoint": switches}
+    assert form_problems(schema) == []
+    # A run from the form: what the UI submits with two fields set (run.steps, one switch of an
+    # opened section; untouched sections and fields are left out) is stored as given, on the
+    # deployment's other parameters: no null section, nothing the user did not set.
     from prefect.states import Scheduled
 
+    config = {"run": {"steps": 3}, "checkpoint": {"enable": not recipe.checkpoint.enable}}
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=3650)
     with api(stack.prefect) as client:
         run_id = client.create_flow_run_from_deployment(
             dep.id, parameters={"config": config}, state=Scheduled(scheduled_time=later)
         ).id
+        stored = client.read_flow_run(run_id).parameters
         client.delete_flow_run(run_id)
-    assert to_dict(resolve_job("llama3_debugmodel", "", flow_values(config, None))) == to_dict(
-        recipe
-    )
+    assert stored == {"recipe": "llama3_debugmodel", "config": config, "overrides": {}}
 
 
 def _check_other_config_flows(stack: Stack, pretrain_defs: dict[str, Any]) -> None:
@@ -388,20 +389,29 @@ def _check_other_config_flows(stack: Stack, pretrain_defs: dict[str, Any]) -> No
         params = schema["properties"]
         assert dep.enforce_parameter_schema and list(params) == expected[name], name
         assert all(p.get("description") for p in params.values()), name
-        assert params["config"]["anyOf"][0]["$ref"].endswith("/ConfigForm"), name
+        assert params["config"]["$ref"].endswith("/ConfigForm"), name
         defs = schema["definitions"]
         assert {k: defs[k] for k in pretrain_defs} == pretrain_defs, name
+    # Every deployment's run form: no "| None" switch, null type or default, no class name.
+    with api(stack.prefect) as client:
+        deps["sweep/sweep"] = client.read_deployment_by_name("sweep/sweep")
+    problems = [p for n, d in deps.items() for p in form_problems(d.parameter_openapi_schema, n)]
+    assert problems == []
+    early_stop = deps["sweep/sweep"].parameter_openapi_schema["properties"]["early_stop"]
+    assert [choice["title"] for choice in early_stop["anyOf"]] == ["off", CHANGE_TAB]
 
 
 def test_server_refuses_invalid_parameters_before_a_flow_run(stack: Stack) -> None:
     """A wrong type, an unknown field and the old parameter shapes (a recipe name in
-    ``config``, CLI tokens in ``overrides``) are refused by the server: no flow run starts."""
+    ``config``, CLI tokens in ``overrides``, a null section as the old form stored) are refused
+    by the server: no flow run starts."""
     from prefect.exceptions import PrefectHTTPStatusError
 
     before = _runs_of(stack, "pretrain_pipeline/pretrain")
     bad = {
         "config.training.steps": {"config": {"training": {"steps": "many"}}},
         "config.training": {"config": {"training": {"stepz": 4}}},
+        "config.checkpoint": {"config": {"checkpoint": None}},
         "config.optimizer.name": {"config": {"optimizer": {"name": "SGD"}}},
         "config": {"config": "llama3_debugmodel_tiny"},
         "overrides": {"overrides": ["--training.steps", "4"]},
@@ -493,6 +503,35 @@ def test_pipeline_deployment_runs_to_completion(stack: Stack, pretrained: dict) 
     parents = mlflow.search_runs([exp.experiment_id], "tags.`titan.stage` = 'pipeline'")
     assert [r.info.status for r in parents] == ["FINISHED"]
     assert mlflow.search_model_versions(f"name = '{LINE}'")
+
+
+def test_a_cli_run_gets_the_cache_of_a_deployment_run(
+    stack: Stack, pretrained: dict, tmp_path: Path
+) -> None:
+    """The tokenizer and seed checkpoint a worker's run made are `Cached` for `titan pipeline
+    run` on the same output root: the cache lives there, not under each process's PREFECT_HOME
+    (the CLI's ./outputs/.prefect here, the worker's its own). Another experiment, untracked and
+    unevaluated, so that the line's later tests see only their own runs."""
+    cmd = [str(BIN / "titan"), "pipeline", "run", "--config", "llama3_debugmodel_tiny"]
+    cmd += [*tiny_overrides(steps=STEPS, nproc=1), "--job.dump_folder", stack.store]
+    cmd += ["--job.experiment", f"{LINE}-cli", "--tracking.no_enable"]
+    cmd += ["--evaluate.batches", "1", "--evaluate.prompts"]
+    env = {k: v for k, v in stack.prefect.env.items() if k != "PREFECT_HOME"} | stack.s3.env()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = re.search(r"pipeline: run (\S+) done", proc.stdout)
+    assert done, proc.stdout[-3000:]
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with api(stack.prefect) as client:
+        name = FlowRunFilterName(any_=[f"{LINE}-cli/{done.group(1)}"])
+        (cli_run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=name))
+        runs = task_runs(cli_run.id)
+    for stage in ("download_tokenizer", "create_seed_checkpoint"):
+        assert [r.state.name for r in runs[stage]] == ["Cached"], stage
+    results = stack.s3.filesystem().ls(f"{stack.store}/.prefect-results".removeprefix("s3://"))
+    assert sorted(p.rsplit("/", 1)[-1].split("-")[0] for p in results) == ["seed", "tokenizer"]
+    assert (tmp_path / "outputs" / ".prefect").is_dir()  # the CLI's own PREFECT_HOME
 
 
 @pytest.fixture(scope="module")

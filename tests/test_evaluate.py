@@ -153,7 +153,27 @@ class _Counter(nn.Module):
         return logits
 
 
+def _text_bytes(tokenizer: Tokenizer, ids: list[int]) -> bytes:
+    return b"".join(tokenizer.model.decode_single_token_bytes(i) for i in ids)
+
+
+def _shows_as_text(tokenizer: Tokenizer, new: list[int], candidate: int) -> bool:
+    """By hand: eos, or an ordinary token after which the completion's bytes are UTF-8 (its
+    last character may be unfinished)."""
+    if candidate == tokenizer.eos_id:
+        return True
+    if candidate in tokenizer.special_tokens.values():
+        return False
+    try:
+        _text_bytes(tokenizer, [*new, candidate]).decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.reason == "unexpected end of data"
+    return True
+
+
 def test_greedy_generation_is_argmax_by_hand(run_dir: Path, tokenizer: Tokenizer) -> None:
+    """The best-scored id that shows as text, eos stopping; an unfinished last character is
+    dropped. The tiny model's own argmax is often a special token or a stray byte."""
     model = _titan_model(run_dir / "checkpoint" / "step-4", tokenizer.n_words)
     cpu, prompts = torch.device("cpu"), ["The Python language", "To be"]
     kwargs = {"max_new_tokens": 12, "max_seq_len": 2048, "device": cpu}
@@ -164,12 +184,20 @@ def test_greedy_generation_is_argmax_by_hand(run_dir: Path, tokenizer: Tokenizer
         new: list[int] = []
         with torch.no_grad():
             while len(new) < 12:
-                nxt = int(model(torch.tensor([ids + new]))[0, -1].argmax())
+                logits = model(torch.tensor([ids + new]))[0, -1, : tokenizer.n_words]
+                order = torch.argsort(logits, descending=True, stable=True).tolist()
+                nxt = next(i for i in order if _shows_as_text(tokenizer, new, i))
                 if nxt == tokenizer.eos_id:
                     break
                 new.append(nxt)
+        while new:  # an unfinished last character is dropped
+            try:
+                _text_bytes(tokenizer, new).decode("utf-8")
+                break
+            except UnicodeDecodeError:
+                new.pop()
         assert sample.new_tokens == new and sample.completion == tokenizer.decode(new)
-        assert sample.prompt_tokens == len(ids)
+        assert sample.prompt_tokens == len(ids) and "\ufffd" not in sample.completion
     # Stops: eos (not included), then the RoPE table's length.
     counter = _Counter(tokenizer.n_words, tokenizer.eos_id, eos_at=6)
     (stopped,) = generate_samples(counter, tokenizer, ["a"], **kwargs)
@@ -200,6 +228,37 @@ def test_a_padded_vocabulary_samples_only_ids_the_tokenizer_has(tokenizer: Token
     kwargs = {"max_new_tokens": 3, "max_seq_len": 64, "device": torch.device("cpu")}
     (sample,) = generate_samples(model, tokenizer, ["a"], **kwargs)
     assert sample.new_tokens == [42, 42, 42] and sample.completion == tokenizer.decode([42] * 3)
+
+
+class _Prefers(nn.Module):
+    """Scores ids in a fixed order of preference (the first highest), whatever the input."""
+
+    def __init__(self, vocab: int, order: list[int]) -> None:
+        super().__init__()
+        self.vocab, self.order = vocab, order
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*tokens.shape, self.vocab)
+        for rank, i in enumerate(self.order):
+            logits[..., i] = len(self.order) - rank
+        return logits
+
+
+def test_samples_are_text_never_special_tokens_or_broken_characters(tokenizer: Tokenizer) -> None:
+    """A model that prefers a reserved token, bos and a stray UTF-8 continuation byte: the
+    sample takes the best id that shows as text at each point, so the two bytes of "é" come in
+    order and a third token starting another character, cut off by max_new_tokens, is dropped.
+    Eos stays allowed: it stops."""
+    byte = {b: tokenizer.model.encode_single_token(bytes([b])) for b in (0xC3, 0xA9)}
+    reserved = tokenizer.special_tokens["<|reserved_special_token_7|>"]
+    kwargs = {"max_new_tokens": 3, "max_seq_len": 64, "device": torch.device("cpu")}
+    order = [reserved, tokenizer.bos_id, byte[0xA9], byte[0xC3]]
+    (sample,) = generate_samples(_Prefers(tokenizer.n_words, order), tokenizer, ["a"], **kwargs)
+    assert sample.new_tokens == [byte[0xC3], byte[0xA9]] and sample.completion == "é"
+    assert sample.stop_reason == "max_new_tokens"
+    order = [reserved, tokenizer.bos_id, byte[0xA9], tokenizer.eos_id]
+    (sample,) = generate_samples(_Prefers(tokenizer.n_words, order), tokenizer, ["a"], **kwargs)
+    assert sample.new_tokens == [] and sample.stop_reason == "eos"
 
 
 def test_a_full_or_read_only_output_is_one_line_and_leaves_nothing(

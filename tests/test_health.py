@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -632,14 +633,15 @@ def test_pipeline_shows_the_incident_and_stops_or_completes(
     else:
         assert state.is_completed(), state.message
         assert "publish" in runs
-        health = state.result()["health"]  # the train task's typed counts, in the flow's result
+        result = state.result()
+        health = result["health"]  # the train task's typed counts, in the flow's result
         assert health == {"incidents": 1, "skipped_steps": 0, "rollbacks": 1, "stragglers": 0}
     client = MlflowClient(tracking_uri=tracking)
     train_run = next(
         r for r in client.search_runs([e.experiment_id for e in client.search_experiments()])
         if r.data.tags.get("titan.stage") == "train"
     )  # fmt: skip
-    expected = "1 incidents, 1 rollbacks" if policy == "rollback" else "1 incidents, 0 rollbacks"
+    expected = "1 incident, 1 rollback" if policy == "rollback" else "1 incident, 0 rollbacks"
     assert train_run.data.tags["titan.health"] == expected
     assert "health.jsonl" in [a.path for a in client.list_artifacts(train_run.info.run_id)]
     with get_client(sync_client=True) as prefect:
@@ -648,6 +650,44 @@ def test_pipeline_shows_the_incident_and_stops_or_completes(
         )
     table = next(a for a in found if a.flow_run_id == flow_run_id).data
     assert "| 3 | nonfinite grad_norm | nan | all |" in table
+    if policy == "rollback":
+        _check_a_drill_publishes_nothing(result, flow_run_id, client, storage)
+
+
+def _check_a_drill_publishes_nothing(
+    result: dict, flow_run_id: Any, client: Any, root: str
+) -> None:
+    """A drill is summarised (Prefect artifact, MLflow description, the CLI's closing lines)
+    with its incident, marked as a drill, registers no model version, moves no alias, and is no
+    part of its model line (retrain never continues it)."""
+    from pipeline_helpers import flow_run
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from titan_core.cli.pipeline import where_to_look
+    from titan_core.pipeline.stages.model_line import latest_checkpoint
+
+    incident = "step 3: nonfinite grad_norm, nan (all ranks) -> rollback"
+    assert result["drill"] and result["health_summary"] == "1 incident, 1 rollback"
+    assert result["incidents"][0] == incident and result["model_version"] == ""
+    assert client.search_registered_models() == [] and client.search_model_versions() == []
+    parent = client.get_run(result["mlflow_run_id"])
+    assert parent.data.tags["titan.drill"] == "true" and "drill" in flow_run(flow_run_id).tags
+    description = parent.data.tags["mlflow.note.content"]
+    with get_client(sync_client=True) as prefect:
+        artifacts = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    summary = next(a for a in artifacts if a.key == "run-summary").data
+    assert summary == description  # the same summary in Prefect and MLflow
+    assert summary.startswith(f"# Run `{result['run_id']}` (drill)")
+    assert "- model version: none: a drill (debug.drill) registers no model version" in summary
+    assert "## Training health: 1 incident, 1 rollback" in summary and f"- {incident}" in summary
+    closing = where_to_look(result, "home")  # what `titan pipeline run` prints at the end
+    assert "  drill (debug.drill): no model version registered, no alias moved" in closing
+    assert f"    {incident}" in closing
+    experiment = result["run_root"].rstrip("/").rsplit("/", 2)[-2]
+    assert latest_checkpoint(root, experiment) is None
 
 
 def test_the_report_table_reads_every_kind_of_row() -> None:

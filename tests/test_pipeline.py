@@ -248,6 +248,11 @@ def test_mlflow_parent_and_stage_runs(first_run: dict, line: dict, s3_server: An
     # Every stage run reads on its own: the convert and evaluate runs carry the config too, the
     # train run its metrics.jsonl and config; a list param is JSON (items may hold commas).
     assert stages["convert"].data.params == stages["evaluate"].data.params == stored
+    # The convert run says where its export is; its one metric is namespaced.
+    convert = stages["convert"].data
+    assert convert.tags["export/url"] == first_run["result"]["hf"]
+    assert f"`{first_run['result']['hf']}`" in convert.tags["mlflow.note.content"]
+    assert set(convert.metrics) == {"export/num_shards"} and convert.metrics["export/num_shards"]
     assert json.loads(stored["evaluate.prompts"]) == ["The Python language", "To be, or not to be,",
                                                       "A list comprehension"]  # fmt: skip
     train_files = {a.path for a in client.list_artifacts(stages["train"].info.run_id, "train")}
@@ -313,6 +318,10 @@ def test_prefect_flow_and_every_task_completed(first_run: dict) -> None:
         )
     by_key = {a.key: a for a in artifacts}
     assert {"run-summary", "run-metrics", "run-root", "hf-export"} <= set(by_key)
+    # A count reads as one (eval/num_tokens 2,048, not 2048.0000); a healthy run is no drill.
+    num_tokens = first_run["result"]["metrics"]["eval/num_tokens"]
+    assert f"| eval/num_tokens | {int(num_tokens):,} |" in by_key["run-summary"].data
+    assert "drill" not in by_key["run-summary"].data and not first_run["result"]["drill"]
     # The evaluation's report with its greedy samples, and the way to the run in MLflow.
     assert "## Greedy samples" in by_key["evaluation-report"].data
     mlflow_run = by_key["mlflow-run"].data

@@ -11,6 +11,7 @@ Rooms, each importing only the ones before it:
   (``config``), redaction and logging (``common``), report pieces (``report``), console errors;
 - ``stages/``: one module per pipeline stage (tokenizer, data, preflight, seed, training, export,
   evaluation, publish with its model card) and the model line a retrain continues;
-- ``compare`` and ``parity``: comparing MLflow runs; the parallelism-parity recipe;
+- ``compare`` (and how it reads: ``compare_view``) and ``parity``: comparing MLflow runs; the
+  parallelism-parity recipe;
 - ``sweep/``: sweeps: the plan, early stopping and its monitor, MLflow runs and the report.
 """

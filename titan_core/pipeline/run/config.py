@@ -34,8 +34,10 @@ def run_config(cfg: JobConfig, paths: RunPaths, tokenizer_url: str) -> JobConfig
 
 def flow_run_tags(cfg: JobConfig, recipe: str = "") -> list[str]:
     """The tags of a flow run of ``cfg``, to filter by in the Prefect UI: experiment, recipe
-    (when there is one) and model."""
+    (when there is one), model, and ``drill`` for a fault drill (``debug.drill``)."""
     tags = [f"experiment:{cfg.job.experiment}"]
     if recipe:
         tags.append(f"recipe:{recipe}")
-    return [*tags, f"model:{cfg.model.name}/{cfg.model.flavor}"]
+    return [*tags, f"model:{cfg.model.name}/{cfg.model.flavor}"] + (
+        ["drill"] if cfg.debug.drill else []
+    )

@@ -5,6 +5,9 @@ Layout of one run (the output root ``job.dump_folder`` is a folder or ``s3://buc
     <root>/<experiment>/<run_id>/
       config.toml  tokenizer/  checkpoint/seed  checkpoint/step-N  hf/  eval/
       profile/  memory_snapshot/  metrics.jsonl  logs/
+
+What the runs of one root share lives beside them: ``<root>/.prefect-results/`` (the results of
+the cached stages) and ``<root>/data/`` (prepared datasets).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from dataclasses import dataclass
 from titan_core import storage
 
 SEED_DIR = "checkpoint/seed"
+# The cached stages' results (Prefect's result storage): in the output root, beside what they
+# point to, so that every way of starting a run (the CLI, a worker, a schedule) shares them.
+RESULTS_DIR = ".prefect-results"
 # new_run_id's form (a sweep's trials add -t<N>), as a flow run's first name carries it.
 _RUN_ID_RE = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}(-t\d+)?")
 
@@ -29,6 +35,11 @@ class RunPaths:
     root: str
     experiment: str
     run_id: str
+
+    @property
+    def results(self) -> str:
+        """``<root>/.prefect-results``: the cache of the runs of this output root."""
+        return storage.join(self.root, RESULTS_DIR)
 
     @property
     def run_root(self) -> str:

@@ -51,3 +51,22 @@ def mlflow_image(alt: str, run_id: str, artifact_path: str, tracking_uri: str) -
 
     query = urllib.parse.urlencode({"path": artifact_path, "run_uuid": run_id})
     return f"![{alt}]({public_url(tracking_uri).rstrip('/')}/get-artifact?{query})"
+
+
+def counted(num: int, noun: str) -> str:
+    """``num`` and ``noun``, plural unless ``num`` is 1: "1 incident", "2 rollbacks"."""
+    return f"{num:,} {noun}" if num == 1 else f"{num:,} {noun}s"
+
+
+def is_count(name: str) -> bool:
+    """Whether metric ``name`` is a count (``num_*``, e.g. ``eval/num_tokens``): a whole number,
+    though MLflow and the pipeline's metrics hold it as a float."""
+    return name.rsplit("/", 1)[-1].startswith("num_")
+
+
+def format_metric(name: str, value: float) -> str:
+    """A metric for people: a count (``is_count``) as a whole number with thousands separators,
+    anything else to four decimals."""
+    if is_count(name) and float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:.4f}"

@@ -28,6 +28,8 @@ from titan_core.pipeline.run.paths import RunPaths, absolute
 
 PARENT_STAGE = "pipeline"
 STAGE_TAG = "titan.stage"
+DRILL_TAG = "titan.drill"  # "true" on the parent run of a fault drill (debug.drill)
+NOTE_TAG = "mlflow.note.content"  # what MLflow's UI shows as a run's description (markdown)
 _PARAM_BATCH = 100  # MLflow's limit of params per log_batch call
 _HEALTH_TIMEOUT_S = 5.0
 
@@ -198,7 +200,10 @@ def run_tags(
     """Tags of a pipeline's parent run; ``parent_run_id`` nests it under another run (a sweep)."""
     commit = git_commit()
     nesting = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
-    return nesting | {
+    drill = {DRILL_TAG: "true"} if cfg.debug.drill else {}
+    return {
+        **nesting,
+        **drill,
         STAGE_TAG: PARENT_STAGE,
         # What MLflow's "Source" column shows: the pipeline and the recipe or config it ran.
         "mlflow.source.name": f"titan pipeline: {cfg.job.description or cfg.model.name}",

@@ -1,5 +1,7 @@
 """The pipeline's export stage without an orchestrator: the final DCP checkpoint as a Hugging
-Face folder in the run root (``<run>/hf``), kept when a complete one is already there."""
+Face folder in the run root (``<run>/hf``), kept when a complete one is already there. Its MLflow
+stage run (``convert``) has the metric ``export/num_shards`` and says where the export is (tag
+``export/url``, and its description)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,12 @@ from typing import Any
 
 from titan_core import storage
 from titan_core.config.job import JobConfig
+from titan_core.pipeline.run.common import redact
+from titan_core.pipeline.run.paths import absolute
 from titan_core.pipeline.run.tracking import (
+    NOTE_TAG,
     TrackingContext,
+    client,
     log_metrics,
     log_stage_config,
     stage_run,
@@ -73,5 +79,20 @@ def export_checkpoint(
             progress=cfg.storage.progress,
             model_name=cfg.model.name,
         )
-        log_metrics(tracking, run_id, {"num_shards": len(shards)})
+        log_metrics(tracking, run_id, {"export/num_shards": len(shards)})
+        tag_export(tracking, run_id, output)
     return HfExport(output, len(shards), kept=False)
+
+
+EXPORT_TAG = "export/url"  # the convert run's way to its export (MLflow shows it with the run)
+
+
+def tag_export(tracking: TrackingContext | None, run_id: str, output: str) -> None:
+    """Tag the convert stage run with where its export is (``export/url``, secrets redacted,
+    a local path made absolute) and say so in its description."""
+    if tracking is None or not run_id:
+        return
+    url = redact(output if storage.is_url(output) else absolute(output))
+    mlflow_client = client(tracking.uri)
+    mlflow_client.set_tag(run_id, EXPORT_TAG, url)
+    mlflow_client.set_tag(run_id, NOTE_TAG, f"Hugging Face export: `{url}`")

@@ -1,6 +1,7 @@
-"""A model line: every run of one experiment under ``<job.dump_folder>/<experiment>/``, the newest
-complete checkpoint among them (what ``retrain`` and ``make demo`` continue from), and the policy
-of continuing it: the config of the next run (``continued_config``, ``reresolve_autos``)."""
+"""A model line: every run of one experiment under ``<job.dump_folder>/<experiment>/`` (fault drills
+aside), the newest complete checkpoint among them (what ``retrain`` and ``make demo`` continue
+from), and the policy of continuing it: the config of the next run (``continued_config``,
+``reresolve_autos``)."""
 
 from __future__ import annotations
 
@@ -54,14 +55,24 @@ def complete_checkpoints(run_root: str) -> list[CheckpointInfo]:
     return found
 
 
+def is_drill(run_root: str) -> bool:
+    """Whether the run was a fault drill (``debug.drill`` in its ``config.toml``)."""
+    import tomllib
+
+    config = storage.join(run_root, "config.toml")
+    if not storage.exists(config):
+        return False
+    return bool(tomllib.loads(storage.read_text(config)).get("debug", {}).get("drill", False))
+
+
 def latest_checkpoint(root: str, experiment: str) -> CheckpointInfo | None:
     """The newest complete checkpoint of any run under ``<root>/<experiment>/`` (by commit
-    time, then step), or None."""
+    time, then step), or None. Fault drills are not part of the line: a rehearsal's weights
+    are never continued."""
     line = storage.join(root, experiment)
     refresh(line)
-    candidates = [
-        c for run in storage.list_dirs(line) for c in complete_checkpoints(storage.join(line, run))
-    ]
+    runs = [storage.join(line, run) for run in storage.list_dirs(line)]
+    candidates = [c for run in runs if not is_drill(run) for c in complete_checkpoints(run)]
     return max(candidates, key=lambda c: (c.time, c.step)) if candidates else None
 
 

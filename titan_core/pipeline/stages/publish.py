@@ -5,9 +5,11 @@ The model card (``README.md``: recipe, data, steps, tokens, eval numbers, which 
 belong to, how to load it) is written into the export, which becomes a new version of the
 registered model (source: the export's storage URL; a description; the eval loss as a rounded
 tag). The alias ``champion`` moves to it only when its eval loss (the exact ``eval/loss`` of its
-run) beats the current champion's. The parent MLflow run gets the final ``train/*`` and ``eval/*``
-metrics at the final step and the run's config and summary as artifacts. The ``publish`` task
-(``tasks/publish.py``) shows the summary and the locations as Prefect artifacts.
+run) beats the current champion's. A fault drill (``debug.drill``) registers no version and moves
+no alias: its summary says it was a drill. The parent MLflow run gets the final ``train/*`` and
+``eval/*`` metrics at the final step and the run's config and summary (which names the step
+guard's incidents) as artifacts. The ``publish`` task (``tasks/publish.py``) shows the summary and
+the locations as Prefect artifacts.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from titan_core import storage
 from titan_core.pipeline.run.common import redact
 from titan_core.pipeline.run.paths import absolute
-from titan_core.pipeline.run.report import markdown_table
+from titan_core.pipeline.run.report import format_metric, is_count, markdown_table
 from titan_core.pipeline.run.tracking import TrackingContext, client, log_metrics
 from titan_core.pipeline.run.transfer import refresh
 from titan_core.pipeline.stages.evaluation import Evaluation
@@ -30,6 +32,12 @@ from titan_core.pipeline.stages.model_card import (
     location_markdown,
     version_description,
     write_model_card,
+)
+from titan_core.pipeline.stages.training import (
+    health_counts,
+    health_lines,
+    health_summary,
+    stored_health_rows,
 )
 
 CHAMPION = "champion"
@@ -63,6 +71,12 @@ class Publication:
     """Whether the ``champion`` alias moved to the new version."""
     previous_champion_loss: float | None = None
     """The eval loss of the champion before this run (None: there was none)."""
+    drill: bool = False
+    """A fault drill (``debug.drill``): no model version registered, no alias moved."""
+    health_summary: str = ""
+    """The step guard's counts (``1 incident, 1 rollback``); "" when it saw nothing."""
+    incidents: list[str] = field(default_factory=list)
+    """The guard's ``health.jsonl`` rows, one line each (``health_lines``)."""
 
 
 def final_train_metrics(run_root: str) -> dict[str, float]:
@@ -143,26 +157,38 @@ def promote_if_better(
     return better, previous
 
 
+DRILL_NOTE = "none: a drill (debug.drill) registers no model version and moves no alias"
+
+
 def summary_markdown(pub: Publication) -> str:
-    """The run's summary for people: where its outputs are, its model version, its metrics."""
+    """The run's summary for people: where its outputs are, its model version (a drill says it
+    is one), its metrics and the step guard's incidents."""
     version = f"{pub.model_name or '-'} v{pub.model_version or '-'}"
     lines = [
-        f"# Run `{pub.run_id}`",
+        f"# Run `{pub.run_id}`" + (" (drill)" if pub.drill else ""),
         "",
         f"- run root: `{pub.run_root}`",
         f"- final checkpoint: `{pub.checkpoint}`",
         f"- Hugging Face export: `{pub.hf}`",
-        f"- model version: {version}" + (" (champion)" if pub.champion else ""),
+        f"- model version: {DRILL_NOTE if pub.drill else version}"
+        + (" (champion)" if pub.champion else ""),
+        *([f"- training health: {pub.health_summary}"] if pub.health_summary else []),
         "",
     ]
-    rows = [(k, f"{v:.4f}") for k, v in sorted(pub.metrics.items())]
+    rows = [(k, format_metric(k, v)) for k, v in sorted(pub.metrics.items())]
     lines += markdown_table(["metric", "value"], rows, right={1})
+    if pub.incidents:
+        lines += ["", f"## Training health: {pub.health_summary}", ""]
+        lines += [f"- {line}" for line in pub.incidents]
     return "\n".join(lines) + "\n"
 
 
 def metric_rows(pub: Publication) -> list[dict[str, str | float]]:
-    """The final metrics as table rows (``metric``, ``value``)."""
-    return [{"metric": k, "value": round(v, 6)} for k, v in sorted(pub.metrics.items())]
+    """The final metrics as table rows (``metric``, ``value``; counts as whole numbers)."""
+    return [
+        {"metric": k, "value": int(v) if is_count(k) and float(v).is_integer() else round(v, 6)}
+        for k, v in sorted(pub.metrics.items())
+    ]
 
 
 def locations(pub: Publication) -> dict[str, tuple[str, str]]:
@@ -211,10 +237,13 @@ def publish_run(
     tracking: TrackingContext | None = None,
     registered_model: str = "",
     recipe: str = "",
+    drill: bool = False,
 ) -> Publication:
     """Write the export's model card; with ``tracking``, log the final metrics to the parent run,
     register the export as a version of ``registered_model`` (default: the experiment), move
-    ``champion`` if it improved and attach the summary. ``recipe`` is named in the card."""
+    ``champion`` if it improved and attach the summary. ``recipe`` is named in the card. A
+    ``drill`` (``debug.drill``) is summarised, never registered."""
+    rows = stored_health_rows(run_root)
     metrics = {**final_train_metrics(run_root)}
     metrics |= {f"eval/{k}": float(v) for k, v in evaluation.metrics.items()}
     name = (registered_model or tracking.experiment) if tracking is not None else ""
@@ -228,12 +257,18 @@ def publish_run(
         eval_report=redact(evaluation.report_url),
         model_card=redact(card),
         metrics=metrics,
+        drill=drill,
+        health_summary=health_summary(health_counts(rows)) if rows else "",
+        incidents=health_lines(rows),
     )
     if tracking is None:
         return pub
     eval_loss = float(evaluation.metrics["loss"])
     # Logged before the version: the champion rule reads the run's exact eval/loss.
     log_metrics(tracking, tracking.parent_run_id, metrics, step=evaluation.step)
+    if drill:  # a rehearsal, not a model: summarised in its run, never in the registry
+        log_run_files(tracking, pub)
+        return pub
     version = register_version(
         tracking,
         name,

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from titan_core import storage
 from titan_core.errors import first_line
 from titan_core.pipeline.run.common import Logger, redact, titan_logger
+from titan_core.pipeline.run.report import counted
 from titan_core.pipeline.run.tracking import TrackingContext, client, copy_curves
+from titan_core.pipeline.run.transfer import refresh
 from titan_core.stop_request import STOP_REQUEST, StopRecord, discard_stop_request
 
 STOPPED_TAG = "titan.stopped_at"  # MLflow tag of a pipeline run whose training was stopped early
@@ -68,7 +70,7 @@ def discard_late_stop(dump_folder: str, logger: Logger | None = None) -> None:
 
 
 HEALTH_FILE = "health.jsonl"  # the step guard's incidents, beside metrics.jsonl
-HEALTH_TAG = "titan.health"  # MLflow tag: "<n> incidents, <n> rollbacks[, <n> stragglers]"
+HEALTH_TAG = "titan.health"  # MLflow tag: "1 incident, 2 rollbacks[, 3 stragglers]"
 
 
 def health_rows(side_folder: str) -> list[dict]:
@@ -110,33 +112,67 @@ def health_counts(rows: list[dict]) -> HealthCounts:
     return HealthCounts(len(incidents), len(skipped), len(rollbacks), len(stragglers))
 
 
+def health_cells(r: dict) -> tuple[str, str, str, str, str]:
+    """One ``health.jsonl`` row as (step, what, value, ranks, action), for people."""
+    if r["action"] == "rollback" and "quantity" not in r:
+        skipped = r.get("skipped_samples")
+        value = f"samples {skipped[0]}:{skipped[1]} skipped" if skipped else ""
+        return str(r["step"]), f"rolled back to step {r['to_step']}", value, "all", "rollback"
+    ranks = r["ranks"] if r["ranks"] == "all" else ", ".join(map(str, r["ranks"]))
+    what, value = f"{r['kind']} {r['quantity']}", f"{r['value']}"
+    if r["kind"] == "spike":
+        value += f" (window mean {r['mean']:.4g}, std {r['std']:.3g})"
+    elif r["kind"] == "straggler":
+        what = f"straggler ({r['quantity'].replace('_', ' ')})"
+        value = f"{r['value'] * 1e3:.1f} ms/step (others' median {r['median'] * 1e3:.1f} ms)"
+    elif r["kind"] == "replica_groups":
+        what, value = "replica groups", r["detail"]
+    elif r["kind"] == "sdc":
+        what = "recompute differs"
+        value = f"{r['differs']}, relative {r['value']:.3g}"
+    return str(r["step"]), what, value, ranks, r["action"]
+
+
 def health_markdown(rows: list[dict]) -> str:
     """The incidents as a Markdown table (the Prefect artifact of the train task)."""
     head = "| step | what | value | ranks | action |\n|---:|---|---|---|---|\n"
-    lines = []
-    for r in rows:
-        if r["action"] == "rollback" and "quantity" not in r:
-            skipped = r.get("skipped_samples")
-            what = f"rolled back to step {r['to_step']}"
-            value = f"samples {skipped[0]}:{skipped[1]} skipped" if skipped else ""
-            lines.append(f"| {r['step']} | {what} | {value} | all | rollback |")
-        else:
-            ranks = r["ranks"] if r["ranks"] == "all" else ", ".join(map(str, r["ranks"]))
-            what, value = f"{r['kind']} {r['quantity']}", f"{r['value']}"
-            if r["kind"] == "spike":
-                value += f" (window mean {r['mean']:.4g}, std {r['std']:.3g})"
-            elif r["kind"] == "straggler":
-                what = f"straggler ({r['quantity'].replace('_', ' ')})"
-                value = (
-                    f"{r['value'] * 1e3:.1f} ms/step (others' median {r['median'] * 1e3:.1f} ms)"
-                )
-            elif r["kind"] == "replica_groups":
-                what, value = "replica groups", r["detail"]
-            elif r["kind"] == "sdc":
-                what = "recompute differs"
-                value = f"{r['differs']}, relative {r['value']:.3g}"
-            lines.append(f"| {r['step']} | {what} | {value} | {ranks} | {r['action']} |")
+    lines = ["| " + " | ".join(health_cells(r)) + " |" for r in rows]
     return "## Training health\n\n" + head + "\n".join(lines) + "\n"
+
+
+MAX_HEALTH_LINES = 20  # rows a run summary lists; the rest are in health.jsonl
+
+
+def health_lines(rows: list[dict]) -> list[str]:
+    """The rows in one line each (``step 3: nonfinite grad_norm, nan (all ranks) -> rollback``),
+    at most ``MAX_HEALTH_LINES``, then a line saying how many more ``health.jsonl`` holds."""
+    lines = []
+    for r in rows[:MAX_HEALTH_LINES]:
+        step, what, value, ranks, action = health_cells(r)
+        where = "all ranks" if ranks == "all" else f"ranks {ranks}"
+        lines.append(f"step {step}: {what}{', ' + value if value else ''} ({where}) -> {action}")
+    if len(rows) > MAX_HEALTH_LINES:
+        lines.append(f"... {len(rows) - MAX_HEALTH_LINES} more in {HEALTH_FILE}")
+    return lines
+
+
+def health_summary(counts: HealthCounts) -> str:
+    """``1 incident, 1 rollback`` (and ``, 2 stragglers`` when ranks were named): the
+    ``titan.health`` tag, and the run summary's health line."""
+    summary = f"{counted(counts.incidents, 'incident')}, {counted(counts.rollbacks, 'rollback')}"
+    if counts.stragglers:
+        summary += f", {counted(counts.stragglers, 'straggler')}"
+    return summary
+
+
+def stored_health_rows(run_root: str) -> list[dict]:
+    """The step guard's rows of a run, read from its run root (any URL: the side folder was
+    uploaded there); none when the guard saw nothing."""
+    path = storage.join(run_root, HEALTH_FILE)
+    refresh(path)
+    if not storage.exists(path):
+        return []
+    return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
 
 
 def record_health(
@@ -146,10 +182,7 @@ def record_health(
     (``titan.health``) and attach ``health.jsonl`` to the train run."""
     if tracking is None or not rows:
         return
-    counts = health_counts(rows)
-    summary = f"{counts.incidents} incidents, {counts.rollbacks} rollbacks"
-    if counts.stragglers:
-        summary += f", {counts.stragglers} stragglers"
+    summary = health_summary(health_counts(rows))
     mlflow_client = client(tracking.uri)
     for run_id in (tracking.parent_run_id, stage_run_id):
         if run_id:
