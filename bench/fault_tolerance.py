@@ -72,7 +72,8 @@ def _run(mode: str, killed: bool, ns: argparse.Namespace, dataset: str, dump: Pa
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(
-            f"{mode} ({'killed' if killed else 'clean'}) failed:\n{proc.stdout[-3000:]}"
+            f"{mode} ({'killed' if killed else 'clean'}) failed:\n"
+            f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
         )
     steps = [json.loads(line)["step"] for line in (dump / "metrics.jsonl").open()]
     return {"wall": wall, "redone": len(steps) - len(set(steps))}
