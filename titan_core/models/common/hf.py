@@ -9,13 +9,14 @@ each head on the way out and back; nothing else changes.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
 import torch
 
 from titan_core.errors import CheckpointError
-from titan_core.models.common.rope import RopeScaling
+from titan_core.models.common.rope import RopeScaling, YarnScaling
 
 
 def to_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -200,18 +201,23 @@ def require_keys(config: dict[str, Any], source: str, keys: tuple[str, ...]) -> 
         raise CheckpointError(f"hf: {source} lacks {', '.join(missing)}")
 
 
-def rope_from_config(config: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    """(theta, Llama 3.1 scaling or None) from ``rope_parameters`` (transformers >= 5) or the
-    4.x ``rope_theta`` / ``rope_scaling`` keys; other RoPE types are refused."""
+def rope_from_config(
+    config: dict[str, Any], source: str, types: tuple[str, ...] = ("default", "llama3")
+) -> tuple[float, RopeScaling | YarnScaling | None]:
+    """(theta, Llama 3.1 or YaRN scaling or None) from ``rope_parameters`` (transformers >= 5)
+    or the 4.x ``rope_theta`` / ``rope_scaling`` keys; RoPE types not in ``types`` (those the
+    family's model computes) are refused."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in types:
+        raise CheckpointError(
+            f"hf: {source}: rope_type {rope_type!r} is not supported ({', '.join(types)})"
+        )
     if rope_type == "default":
         return theta, None
-    if rope_type != "llama3":
-        raise CheckpointError(
-            f"hf: {source}: rope_type {rope_type!r} is not supported (default, llama3)"
-        )
+    if rope_type == "yarn":
+        return theta, _yarn_from_config(rope, source)
     defaults = RopeScaling()
     return theta, RopeScaling(
         factor=float(rope.get("factor", defaults.factor)),
@@ -223,11 +229,32 @@ def rope_from_config(config: dict[str, Any], source: str) -> tuple[float, RopeSc
     )
 
 
-def rope_parameters(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
+def _yarn_from_config(rope: dict[str, Any], source: str) -> YarnScaling:
+    """YaRN as HF's ``_compute_yarn_parameters`` reads it (DeepSeek-V3's keys)."""
+    if rope.get("attention_factor") is not None:
+        raise CheckpointError(f"hf: {source}: yarn attention_factor is not supported")
+    if rope.get("factor") is None or rope.get("original_max_position_embeddings") is None:
+        raise CheckpointError(
+            f"hf: {source}: yarn needs factor and original_max_position_embeddings"
+        )
+    return YarnScaling(
+        factor=float(rope["factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        beta_fast=float(rope.get("beta_fast") or 32),
+        beta_slow=float(rope.get("beta_slow") or 1),
+        mscale=float(rope.get("mscale") or 0.0),  # absent: HF's mscale(factor) magnitude
+        mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+        truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def rope_parameters(theta: float, scaling: RopeScaling | YarnScaling | None) -> dict[str, Any]:
     """``rope_parameters`` for ``config.json`` (transformers >= 5 reads theta and scaling only
     from it; 4.x took ``rope_theta`` and ``rope_scaling`` at top level instead)."""
     if scaling is None:
         return {"rope_type": "default", "rope_theta": theta}
+    if isinstance(scaling, YarnScaling):
+        return {"rope_type": "yarn", "rope_theta": theta, **dataclasses.asdict(scaling)}
     return {
         "rope_type": "llama3",
         "rope_theta": theta,

@@ -1,4 +1,4 @@
-"""Convert Qwen3-MoE weights between this engine's names and Hugging Face ``Qwen3MoeForCausalLM``.
+"""Qwen3-MoE <-> Hugging Face ``Qwen3MoeForCausalLM``: Qwen3's conversion plus the experts.
 
 Attention, norms, embeddings and the dense layers (``decoder_sparse_step``, ``mlp_only_layers``)
 convert exactly as Qwen3 dense (``models.common.hf``: the q/k rows and QK-norm scales permuted
@@ -18,17 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from titan_core.errors import CheckpointError
-from titan_core.models.common.hf import decoder_from_hf, decoder_to_hf, require_keys
+from titan_core.models.common.hf import require_keys
 from titan_core.models.common.moe import MoEArgs
 from titan_core.models.qwen3 import state_dict_adapter as qwen3
 from titan_core.models.qwen3_moe.model import Qwen3MoeModelArgs
-
-HF_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-HF_MODEL_TYPE = "qwen3_moe"
-_FAMILY = "Qwen3-MoE"
 
 
 def _refuse_unexportable(args: Qwen3MoeModelArgs, what: str) -> MoEArgs:
@@ -54,27 +48,41 @@ def _refuse_unexportable(args: Qwen3MoeModelArgs, what: str) -> MoEArgs:
     return moe
 
 
-def to_hf(state_dict: dict[str, torch.Tensor], args: Qwen3MoeModelArgs) -> dict[str, torch.Tensor]:
-    """Native state dict (whole or any subset) -> HF ``Qwen3MoeForCausalLM`` state dict."""
-    _refuse_unexportable(args, "to_hf")
-    return decoder_to_hf(state_dict, args, _FAMILY)
+def _refuse(config: dict[str, Any], source: str) -> dict[str, Any]:
+    # transformers 5 writes num_experts as num_local_experts (an attribute alias).
+    if "num_experts" not in config and "num_local_experts" in config:
+        config = {**config, "num_experts": config["num_local_experts"]}
+    require_keys(config, source, ("num_experts", "num_experts_per_tok", "moe_intermediate_size"))
+    experts, top_k = config["num_experts"], config["num_experts_per_tok"]
+    if not 1 <= top_k <= experts:
+        raise CheckpointError(
+            f"hf: {source}: num_experts_per_tok {top_k} must be between 1 and num_experts "
+            f"({experts})"
+        )
+    return qwen3.HF.refuse(config, source)
 
 
-def from_hf(
-    hf_state_dict: dict[str, torch.Tensor], args: Qwen3MoeModelArgs
-) -> dict[str, torch.Tensor]:
-    """HF ``Qwen3MoeForCausalLM`` state dict (per-expert tensors, or transformers' fused
-    in-memory ones) -> native one; each MoE layer's experts must all be present."""
-    return decoder_from_hf(hf_state_dict, args, _FAMILY)
-
-
-def to_hf_config(args: Qwen3MoeModelArgs) -> dict[str, Any]:
-    """``config.json`` content (``transformers.Qwen3MoeConfig``) describing the same model."""
-    moe = _refuse_unexportable(args, "to_hf_config")
+def _read(config: dict[str, Any], source: str) -> dict[str, Any]:
+    moe = MoEArgs(
+        num_experts=config["num_experts"],
+        top_k=config["num_experts_per_tok"],
+        hidden_dim=config["moe_intermediate_size"],
+        route_norm=bool(config.get("norm_topk_prob", False)),
+        aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+    )
     return {
-        **qwen3.to_hf_config(args),
-        "architectures": list(HF_ARCHITECTURES),
-        "model_type": HF_MODEL_TYPE,
+        **qwen3.HF.read(config, source),
+        "moe": moe,
+        "decoder_sparse_step": int(config.get("decoder_sparse_step", 1)),
+        "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
+    }
+
+
+def _write(args: Qwen3MoeModelArgs) -> dict[str, Any]:
+    moe = args.moe
+    assert moe is not None  # to_hf_config refused it first
+    return {
+        **qwen3.HF.write(args),
         "num_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "moe_intermediate_size": moe.hidden_dim,
@@ -86,34 +94,16 @@ def to_hf_config(args: Qwen3MoeModelArgs) -> dict[str, Any]:
     }
 
 
-def from_hf_config(config: dict[str, Any], source: str) -> Qwen3MoeModelArgs:
-    """Qwen3-MoE model args describing the model of an HF ``config.json``."""
-    if config.get("model_type", HF_MODEL_TYPE) != HF_MODEL_TYPE:
-        raise CheckpointError(
-            f"hf: {source}: model_type {config['model_type']!r}, expected {HF_MODEL_TYPE!r}"
-        )
-    # transformers 5 writes num_experts as num_local_experts (an attribute alias).
-    if "num_experts" not in config and "num_local_experts" in config:
-        config = {**config, "num_experts": config["num_local_experts"]}
-    require_keys(config, source, ("num_experts", "num_experts_per_tok", "moe_intermediate_size"))
-    experts, top_k = config["num_experts"], config["num_experts_per_tok"]
-    if not 1 <= top_k <= experts:
-        raise CheckpointError(
-            f"hf: {source}: num_experts_per_tok {top_k} must be between 1 and num_experts "
-            f"({experts})"
-        )
-    # The attention/dense part is a Qwen3 config: read (and refused) as Qwen3 dense.
-    dense = qwen3.from_hf_config({**config, "model_type": qwen3.HF_MODEL_TYPE}, source)
-    moe = MoEArgs(
-        num_experts=experts,
-        top_k=top_k,
-        hidden_dim=config["moe_intermediate_size"],
-        route_norm=bool(config.get("norm_topk_prob", False)),
-        aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
-    )
-    return Qwen3MoeModelArgs(
-        **{f.name: getattr(dense, f.name) for f in dataclasses.fields(dense) if f.name != "moe"},
-        moe=moe,
-        decoder_sparse_step=int(config.get("decoder_sparse_step", 1)),
-        mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
-    )
+HF = dataclasses.replace(
+    qwen3.HF,
+    architectures=("Qwen3MoeForCausalLM",),
+    model_type="qwen3_moe",
+    name="Qwen3-MoE",
+    args_cls=Qwen3MoeModelArgs,
+    refuse=_refuse,
+    read=_read,
+    write=_write,
+    refuse_export=_refuse_unexportable,
+)
+to_hf, from_hf = HF.to_hf, HF.from_hf
+to_hf_config, from_hf_config = HF.to_hf_config, HF.from_hf_config
