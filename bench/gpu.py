@@ -1,7 +1,8 @@
 """Engine tokens/s, TFLOP/s, MFU and peak memory on one GPU, side by side with torchtitan.
 
 Each run is a real ``titan train`` (``python -m titan_core.train``) in its own process: Llama 3
-1B (and Qwen3 1.7B with ``--models llama3,qwen3``), bf16 autocast, ``torch.compile``, AdamW
+1B (and Qwen3 1.7B with ``--models llama3,qwen3``; a 4-layer cut of DeepSeek-V3's Moonlight-16B-A3B
+shape, engine only, with ``deepseek_v3``), bf16 autocast, ``torch.compile``, AdamW
 fused, the bundled corpus. Activation checkpointing is the cheapest setting the engine's own
 memory estimate says fits the card (``--ac auto``: none, then selective, then full). torchtitan
 (``bench/_torchtitan_run.py``) trains the same shapes, batch and settings in the same session;
@@ -13,6 +14,7 @@ own MFU uses its table, so both are recomputed here from tokens/s and the same F
 
     python bench/gpu.py                      # on a GPU: Llama 3 1B, seq 4096, batch 2
     python bench/gpu.py --models llama3,qwen3 --rounds 2   # plus Qwen3 1.7B
+    python bench/gpu.py --models deepseek_v3 # Moonlight-16B-A3B's layers, 4 of them, EP 1
     python bench/gpu.py --cpu-smoke          # the same code on a tiny model on CPU (= --quick)
 
 The last line is the engine/torchtitan tokens/s ratio (goal >= 1.05), or, where torchtitan is
@@ -46,7 +48,7 @@ HEADROOM = 0.9  # of the card's memory: the estimate is a model, not a promise
 class Shape:
     """One benchmarked model and its shapes."""
 
-    family: str  # llama3 | qwen3
+    family: str  # llama3 | qwen3 | deepseek_v3
     recipe: str  # engine registry recipe
     flavor: str  # flavor name, as both systems spell it
     seq: int
@@ -56,6 +58,13 @@ class Shape:
     compile: bool
     dtype: str = "bfloat16"
     vocab: int = -1  # the published vocabulary (torchtitan keeps it); -1: the tokenizer's
+    overrides: tuple[str, ...] = ()  # engine config arguments on top of the recipe
+    torchtitan: bool = True  # whether torchtitan has this exact shape to compare with
+    label: str = ""  # the table's name of the shape; empty: the flavor
+
+    @property
+    def name(self) -> str:
+        return self.label or self.flavor
 
 
 @dataclass
@@ -80,7 +89,7 @@ def _engine_argv(shape: Shape, ac: str, dump: str) -> list[str]:
     argv += ["--job.no_save_config", "--lr_scheduler.warmup_steps", "2"]
     argv += ["--model.vocab_size", str(shape.vocab)]
     argv += ["--compile.enable" if shape.compile else "--compile.no_enable"]
-    return argv
+    return [*argv, *shape.overrides]
 
 
 def flops_per_token(shape: Shape, ac: str) -> float:
@@ -271,12 +280,12 @@ def device_facts() -> tuple[str, float, float]:
 
 def print_table(results: list[Result], peak: float, fpt: dict[str, float]) -> None:
     """One row per run, then the medians per system and model."""
-    head = f"{'system':<11} {'model':<16} {'seq':>5} {'bs':>3} {'AC':<9} {'tok/s':>10}"
+    head = f"{'system':<11} {'model':<22} {'seq':>5} {'bs':>3} {'AC':<9} {'tok/s':>10}"
     print(head + f" {'TFLOP/s':>8} {'MFU':>7} {'mem GiB':>8} {'run s':>6}  note")
     for r in results:
-        tflops = r.tps * fpt[r.shape.flavor] / 1e12
+        tflops = r.tps * fpt[r.shape.name] / 1e12
         print(
-            f"{r.system:<11} {r.shape.family + ' ' + r.shape.flavor:<16} {r.shape.seq:>5} "
+            f"{r.system:<11} {r.shape.family + ' ' + r.shape.name:<22} {r.shape.seq:>5} "
             f"{r.shape.batch:>3} {r.ac:<9} {r.tps:>10,.0f} {tflops:>8.1f} "
             f"{100 * tflops / peak:>6.1f}% {r.mem_gib:>8.1f} {r.seconds:>6.0f}  "
             f"{r.note.splitlines()[-1][:90] if r.note else ''}",
@@ -285,8 +294,9 @@ def print_table(results: list[Result], peak: float, fpt: dict[str, float]) -> No
 
 
 def median_tps(results: list[Result], system: str, flavor: str) -> float:
-    """Median tokens/s of ``system``'s runs of ``flavor`` (nan when none succeeded)."""
-    got = [r.tps for r in results if r.system == system and r.shape.flavor == flavor]
+    """Median tokens/s of ``system``'s runs of the shape named ``flavor`` (nan when none
+    succeeded)."""
+    got = [r.tps for r in results if r.system == system and r.shape.name == flavor]
     got = [t for t in got if t == t]
     return statistics.median(got) if got else float("nan")
 
@@ -301,7 +311,12 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--ac", default="auto", choices=["auto", *AC_ORDER])
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--models", default="llama3", help="comma list: llama3 (1B), qwen3 (1.7B)")
+    parser.add_argument(
+        "--models",
+        default="llama3",
+        help="comma list: llama3 (1B), qwen3 (1.7B), deepseek_v3 (Moonlight-16B-A3B's shape cut "
+        "to 4 layers, 2.5B parameters, 1.0B activated; EP 1; no torchtitan twin)",
+    )
     parser.add_argument("--torchtitan-first", action="store_true", help="rounds start T E")
     parser.add_argument("--no-torchtitan", action="store_true")
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds per run")
@@ -319,6 +334,19 @@ def main() -> int:
         known = {
             "llama3": Shape("llama3", "llama3_1b", "1B", *run, vocab=128256),
             "qwen3": Shape("qwen3", "qwen3_1_7b", "1.7B", *run, vocab=151936),
+            # Moonlight-16B-A3B's layers (MLA, 64 experts top-6 + 2 shared) on one GPU: 1 dense +
+            # 3 MoE layers, experts unsharded (EP 1). ~58 GiB at seq 4096 x 2 without AC (the
+            # estimate), so it fits an 80 GB H100; torchtitan has no 4-layer 16B to compare.
+            "deepseek_v3": Shape(
+                "deepseek_v3",
+                "deepseek_v3_16b_a3b",
+                "16B-A3B",
+                *run,
+                vocab=163840,
+                overrides=("--model.n_layers", "4", "--parallelism.expert_parallel_degree", "1"),
+                torchtitan=False,
+                label="16B-A3B/4L",
+            ),
         }
         shapes = [known[m.strip()] for m in args.models.split(",")]
     with_tt = not args.no_torchtitan and torchtitan_available()
@@ -329,7 +357,7 @@ def main() -> int:
     fpt: dict[str, float] = {}
     for shape in shapes:
         ac = args.ac if args.ac != "auto" else pick_ac(shape, gib)
-        fpt[shape.flavor] = flops_per_token(shape, ac)
+        fpt[shape.name] = flops_per_token(shape, ac)
         for i in range(max(1, args.rounds)):
             order = ["engine", "torchtitan"]
             if (i % 2 == 1) != args.torchtitan_first:
@@ -337,11 +365,11 @@ def main() -> int:
             for system in order:
                 if system == "engine":
                     results.append(run_engine(shape, ac, args.timeout))
-                elif with_tt:
+                elif with_tt and shape.torchtitan:
                     results.append(run_torchtitan(shape, ac, args.timeout, cpu=smoke))
                 else:
                     continue
-                print(f"  {results[-1].system} {shape.flavor}: {results[-1].tps:,.0f} tok/s",
+                print(f"  {results[-1].system} {shape.name}: {results[-1].tps:,.0f} tok/s",
                       flush=True)  # fmt: skip
     profile = profile_engine(shapes[0], ac, args.timeout) if args.profile else []
     print()
@@ -351,9 +379,9 @@ def main() -> int:
     if args.json:
         rows = [{**r.__dict__, "shape": r.shape.__dict__} for r in results]
         args.json.write_text(json.dumps({"device": name, "peak": peak, "runs": rows}, indent=1))
-    first = shapes[0].flavor
+    first = shapes[0].name
     engine = median_tps(results, "engine", first)
-    if with_tt:
+    if with_tt and shapes[0].torchtitan:
         ratio = engine / median_tps(results, "torchtitan", first)
         final_line(f"engine/torchtitan tokens/s, {shapes[0].family} {first}", f"{ratio:.3f}x",
                    ">= 1.05x")  # fmt: skip

@@ -4,6 +4,7 @@
 # the table go to $OUT (default ./gpu_out). Under 10 minutes on one H100.
 #
 #   bench/gpu_check.sh [pytest|bench|all] [bench/gpu.py arguments...]
+#   BENCH_NAME=deepseek_v3 bench/gpu_check.sh bench --models deepseek_v3   # MoE/MLA, engine only
 #
 # Env: OUT (results folder), WHEELS (folder of carried wheels, default .whl; docs/gpu.md lists
 # them and the command that downloads them), TITAN_ASSETS_DIR (the bundled corpus and tokenizer;

@@ -126,3 +126,37 @@ def assert_export_generates_like_the_engine(
             eos_token_id=None,
         )
     assert generated.tolist() == ids.tolist()
+
+
+def export_hf_folder(model: torch.nn.Module, tokenizer: Tokenizer, out: Path) -> None:
+    """A Hugging Face folder (fp32 weights, tokenizer files) for an engine Llama 3 model, as
+    the converter produces it: what lm-eval and parity tests load with ``transformers``."""
+    import transformers
+    from tokenizers import processors
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from titan_core.models import get_model_spec
+
+    spec, args = get_model_spec("llama3"), model.model_args
+    config = transformers.LlamaConfig(
+        **spec.hf.to_hf_config(args), bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id
+    )
+    hf = transformers.LlamaForCausalLM(config)
+    hf.load_state_dict(spec.hf.to_hf(model.state_dict(), args))
+    hf.save_pretrained(out)
+    converted = TikTokenConverter(
+        vocab_file=tokenizer.path,
+        pattern=tokenizer.model._pat_str,
+        extra_special_tokens=tokenizer.special_tokens,
+    ).converted()
+    # Encoding adds <|begin_of_text|>, as the converter's and Meta's Llama 3 tokenizers do.
+    bos = ("<|begin_of_text|>", tokenizer.bos_id)
+    converted.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{bos[0]} $A", special_tokens=[bos]),
+        ]
+    )
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=converted, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"
+    ).save_pretrained(out)

@@ -48,8 +48,8 @@ from titan_core.convert.hf_to_dcp import hf_to_dcp
 from titan_core.convert.shard_writer import ShardWriter
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.errors import ConfigError
+from titan_core.models.common.hf import to_rotate_half
 from titan_core.models.llama3 import Transformer, llama3_flavors
-from titan_core.models.llama3.state_dict_adapter import _to_rotate_half
 from titan_core.resolve import parse_args
 from titan_core.train import run
 
@@ -601,7 +601,7 @@ def test_mixed_shards_and_row_order(
     planned = {t.name: t for t in module.read_checkpoint_tensors(str(job["step"]), args)}
     wk = dcp_model(str(job["step"]))["layers.1.attention.wk.weight"]
     order = module.row_order(planned["layers.1.attention.wk.weight"], args)
-    assert order is not None and torch.equal(wk[order], _to_rotate_half(wk, args.n_kv_heads))
+    assert order is not None and torch.equal(wk[order], to_rotate_half(wk, args.n_kv_heads))
     assert module.row_order(planned["layers.1.feed_forward.w1.weight"], args) is None
     spec = module.model_spec(args, "llama3")
     hf = spec.hf

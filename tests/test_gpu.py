@@ -256,3 +256,96 @@ def test_hf_export_of_a_gpu_checkpoint_loads_in_transformers(tmp_path: Path, ass
     with torch.no_grad():
         ref, got = hf(tokens).logits, ours(tokens)
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
+# ---------------------------------------------------------------- DeepSeek-V3 (MLA, MoE, MTP)
+DSV3 = ["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel"]
+DSV3_GPU_FLAVOR = "gpu_check"
+
+
+def dsv3_gpu_args() -> object:
+    """A ~255M-parameter DeepSeek-V3 (~104M activated per token) for one GPU in seconds: MLA with
+    query LoRA and decoupled RoPE heads, YaRN, a dense first layer, 16 experts in 4 groups of
+    which 2 per token (group-limited routing), top-4, a shared expert, one MTP depth."""
+    import dataclasses
+
+    from titan_core.models.common.rope import YarnScaling
+    from titan_core.models.deepseek_v3 import deepseek_v3_flavors
+
+    base = deepseek_v3_flavors["debugmodel"]
+    moe = dataclasses.replace(base.moe, num_experts=16, top_k=4, hidden_dim=512, num_groups=4,
+                              top_groups=2)  # fmt: skip
+    return dataclasses.replace(
+        base,
+        dim=1024,
+        n_layers=8,
+        n_heads=16,
+        hidden_dim=2816,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=512),
+        moe=moe,
+    )
+
+
+@pytest.fixture
+def dsv3_gpu_flavor(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The recipe's argv with ``dsv3_gpu_args`` registered as a flavor for this test only."""
+    from titan_core.models.deepseek_v3 import deepseek_v3_flavors
+
+    monkeypatch.setitem(deepseek_v3_flavors, DSV3_GPU_FLAVOR, dsv3_gpu_args())
+    return [*DSV3, "--model.flavor", DSV3_GPU_FLAVOR]
+
+
+def test_deepseek_v3_bf16_training_learns(
+    tmp_path: Path, assets: Path, dsv3_gpu_flavor: list[str]
+) -> None:
+    """10 bf16 steps of a small DeepSeek-V3 on CUDA (grouped GEMM experts, MLA through SDPA with
+    its 96/64 q-k/v head sizes, the MTP depth, the loss-free balancing bias): finite losses and
+    MTP losses, expert-load metrics for every MoE layer (the MTP block's included), and it
+    learns."""
+    extra = [*BF16, "--lr_scheduler.warmup_steps", "2", "--checkpoint.no_enable"]
+    history = run(parse_args(_args(tmp_path, *extra, model=dsv3_gpu_flavor, steps=10)))
+    losses = _losses(history)
+    assert sorted(losses) == list(range(1, 11))
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses.values()), losses
+    mtp = [h["mtp/loss"] for h in history if "mtp/loss" in h]
+    assert len(mtp) == 10 and all(torch.isfinite(torch.tensor(mtp))), mtp
+    assert {f"moe/layer{i}/load_max" for i in range(1, 9)} <= set(history[-1]), history[-1]
+    assert losses[10] < losses[1] - 0.5, losses  # it learns
+
+
+def test_deepseek_v3_fp32_matches_cpu() -> None:
+    """The tiny DeepSeek-V3 in float32 (TF32 off): CUDA's logits and gradients equal the CPU's
+    to float32 rounding (the MLA RoPE layout, YaRN's table and group-limited routing take the
+    same decisions on both devices)."""
+    from titan_core.models.deepseek_v3 import DeepseekV3Model, deepseek_v3_flavors
+
+    torch.manual_seed(0)
+    cpu = DeepseekV3Model(deepseek_v3_flavors["debugmodel_tiny"])
+    cpu.init_weights()
+    gpu = DeepseekV3Model(deepseek_v3_flavors["debugmodel_tiny"])
+    gpu.init_weights()
+    gpu.load_state_dict(cpu.state_dict())
+    gpu.cuda()
+    tokens = torch.randint(0, deepseek_v3_flavors["debugmodel_tiny"].vocab_size, (2, 64))
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        outs = []
+        for model, device in ((cpu, "cpu"), (gpu, "cuda")):
+            logits = model(tokens.to(device))
+            logits.square().mean().backward()
+            grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+            outs.append((logits.detach().cpu(), grads))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    (ref, ref_grads), (got, got_grads) = outs
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+    assert sorted(got_grads) == sorted(ref_grads)
+    for name, grad in ref_grads.items():
+        scale = grad.abs().max().item()
+        assert (got_grads[name] - grad).abs().max().item() <= 1e-3 * scale + 1e-8, name

@@ -158,7 +158,8 @@ def test_state_dict_adapter_round_trip_is_bitwise(flavor: str) -> None:
 
 def test_registry_errors_name_the_key() -> None:
     assert get_model_spec("llama3").model_cls is Transformer
-    unknown = r"^model\.name: expected one of \['llama3', 'qwen3', 'qwen3_moe'\], got 'gpt'"
+    families = r"\['deepseek_v3', 'llama3', 'qwen3', 'qwen3_moe'\]"
+    unknown = rf"^model\.name: expected one of {families}, got 'gpt'"
     with pytest.raises(ConfigError, match=unknown):
         get_model_spec("gpt")
     flavor = r"^model\.flavor: expected one of \[.*'8B'.*\] for model\.name 'llama3', got 'x'"

@@ -218,7 +218,7 @@ QWEN3_TINY = ["train", "--module", "qwen3", "--config", "qwen3_debugmodel_tiny"]
 _BAD_MODEL = {
     "unknown-family": (
         lambda tmp: ["train", "--module", "gpt", "--config", "x", "--job.dump_folder"],
-        "--module 'gpt': unknown model family; choices: llama3, qwen3",
+        "--module 'gpt': unknown model family; choices: deepseek_v3, llama3, qwen3",
     ),
     "flavor-of-another-family": (
         lambda tmp: [*QWEN3_TINY, "--model.flavor", "70B", "--job.dump_folder"],
@@ -227,7 +227,7 @@ _BAD_MODEL = {
     "unsupported-hf-architecture": (
         lambda tmp: _unsupported_hf(tmp / "gpt2"),
         "config.json: architectures ['GPT2LMHeadModel'] is not supported; supported: "
-        "LlamaForCausalLM (llama3)",
+        "DeepseekV3ForCausalLM (deepseek_v3), LlamaForCausalLM (llama3)",
     ),
 }
 

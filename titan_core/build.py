@@ -17,7 +17,13 @@ import torch
 
 from titan_core import storage
 from titan_core.checkpoint.manager import checkpoint_model
-from titan_core.config.job import JobConfig, parse_injections, parse_mix
+from titan_core.config.job import (
+    EvaluatorEntry,
+    JobConfig,
+    parse_evaluators,
+    parse_injections,
+    parse_mix,
+)
 from titan_core.data import Tokenizer, default_tokenizer_path
 from titan_core.distributed import simulation
 from titan_core.distributed import utils as dist_utils
@@ -53,6 +59,19 @@ def flavor_args(cfg: JobConfig) -> Any:
         args = get_flavor(cfg.model.name, cfg.model.flavor)
     if cfg.model.n_layers > 0:
         args.n_layers = cfg.model.n_layers
+    if cfg.model.mtp_layers >= 0:
+        if not hasattr(args, "mtp_layers"):
+            raise ConfigError(
+                f"model.mtp_layers: {cfg.model.name} has no multi-token prediction (leave it -1)"
+            )
+        args.mtp_layers = cfg.model.mtp_layers
+    if cfg.model.mtp_loss_weight >= 0:
+        if not hasattr(args, "mtp_loss_weight"):
+            raise ConfigError(
+                f"model.mtp_loss_weight: {cfg.model.name} has no multi-token prediction (leave "
+                "it -1)"
+            )
+        args.mtp_loss_weight = cfg.model.mtp_loss_weight
     _apply_moe_overrides(cfg, args)
     return args
 
@@ -206,6 +225,10 @@ def check_job(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, Tokenizer,
         _check_injection(cfg, kind, step, rank, world_size)
     tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
     check_prepared_data(cfg, tokenizer, parallel_dims.dp_degree)
+    if cfg.evaluators.sets:
+        from titan_core.components.evaluators import check_evaluators
+
+        check_evaluators(cfg, tokenizer)  # task files read whole, held-out sets' first batch
     model_args = build_model_args(cfg, tokenizer.n_words)
     if parallel_dims.cp_enabled:
         # CP shards the RoPE table with the tokens, so it needs exactly one row per token.
@@ -250,8 +273,9 @@ def _check_injection(cfg: JobConfig, kind: str, step: int, rank: int, world_size
 def resolved_config(cfg: JobConfig, parallel_dims: ParallelDims, model_args: Any) -> JobConfig:
     """``cfg`` with the "auto" values the engine resolved written out, as the ranks run it: the
     model's vocabulary, depth and RoPE length (and a mixture-of-experts flavor's routing), the
-    FSDP degree and the validation batch. ``job.config_file`` is cleared: the file it names is
-    already applied, and reloading the saved config must give the same config back.
+    FSDP degree, the validation and evaluation batches and the evaluators' paths.
+    ``job.config_file`` is cleared: the file it names is already applied, and reloading the
+    saved config must give the same config back.
 
     ``model_args`` and ``parallel_dims`` are ``check_job``'s. Rules that follow other keys stay
     rules: ``lr_scheduler.decay_ratio`` (-1: every step after warmup, which a retrain with more
@@ -306,6 +330,13 @@ def resolved_config(cfg: JobConfig, parallel_dims: ParallelDims, model_args: Any
             sources=[_absolute(s) for s in cfg.data.sources],
             root=_absolute(cfg.data.root),
         ),
+        evaluators=dataclasses.replace(
+            cfg.evaluators,
+            sets=[_absolute_evaluator(e) for e in parse_evaluators(cfg.evaluators.sets)],
+            batch_size=cfg.evaluators.batch_size
+            if cfg.evaluators.batch_size > 0
+            else cfg.training.local_batch_size,
+        ),
     )
 
 
@@ -316,6 +347,14 @@ def _absolute(value: str) -> str:
     if not value or "://" in value or value.startswith(("hf:", "~")) or os.path.isabs(value):
         return value
     return os.path.abspath(value) if os.path.exists(value) else value
+
+
+def _absolute_evaluator(entry: EvaluatorEntry) -> str:
+    """An ``evaluators.sets`` entry with its relative source and shots paths made absolute."""
+    options = dict(entry.options)
+    if "shots" in options:
+        options["shots"] = _absolute(str(options["shots"]))
+    return dataclasses.replace(entry, source=_absolute(entry.source), options=options).text()
 
 
 def _split_mix(entry: str) -> tuple[str, str, str]:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from titan_core import storage
 from titan_core.errors import CheckpointError, storage_errors
+from titan_core.logging import logger
 from titan_core.models import ModelSpec, get_model_spec, spec_for_args, spec_for_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -65,6 +66,21 @@ def expected_shapes(model_args: Any, model_name: str | None = None) -> dict[str,
     with torch.device("meta"):
         model = model_spec(model_args, model_name).model_cls(model_args)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def initialized_tensors(model_args: Any, names: set[str], seed: int = 0) -> dict[str, torch.Tensor]:
+    """The state-dict tensors ``names`` as the model's ``init_weights`` draws them (from
+    ``seed``), on the CPU; the rest of the model stays on the meta device, so this costs what
+    those tensors do, not the model."""
+    with torch.device("meta"):
+        model = model_spec(model_args).model_cls(model_args)
+    for owner in {name.rpartition(".")[0] for name in names}:
+        model.get_submodule(owner).to_empty(device="cpu", recurse=False)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        model.init_weights(buffer_device=torch.device("meta"))
+    state = model.state_dict()
+    return {name: state[name] for name in names}
 
 
 # ---------------------------------------------------------------- reading headers
@@ -183,32 +199,63 @@ def read_hf_model_args(hf: str) -> Any:
     return model_args_from_hf_config(_read_json(path), path)
 
 
-def check_hf_weights(hf: str, weights: dict[str, HFTensor], model_args: Any) -> None:
-    """CheckpointError naming the tensor and file for unknown, missing or misshapen tensors."""
+def check_hf_weights(hf: str, weights: dict[str, HFTensor], model_args: Any) -> list[str]:
+    """CheckpointError naming the tensor and file for unknown, missing or misshapen tensors.
+
+    Besides ``to_hf``'s names a folder may hold the family's ``extra_tensors`` (FP8 block
+    scales, dropped copies), and lack whole ``optional_part``s: returns the names of those it
+    lacks, after one warning line per part (they keep the model's initialization)."""
     spec = spec_for_args(model_args)
     to_hf = spec.hf.to_hf
     shapes = expected_shapes(model_args, spec.name)
     meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
     expected = {k: tuple(v.shape) for k, v in to_hf(meta, model_args).items()}
+    found = {name: t.shape for name, t in weights.items()}
+    known = {**spec.hf.extra_tensors(found, expected, model_args), **expected}
     for name, t in weights.items():
         if name.endswith("rotary_emb.inv_freq") or (
             name == "lm_head.weight" and getattr(model_args, "tie_word_embeddings", False)
         ):
             continue  # from_hf drops them: recomputed from the args / the tied embedding
-        if name not in expected:
+        if name not in known:
             raise CheckpointError(
                 f"hf: unknown tensor {name} in {t.file} (not in this {spec.name} model)"
             )
-        if t.shape != expected[name]:
+        if t.shape != known[name]:
             raise CheckpointError(
-                f"hf: tensor {name} in {t.file} has shape {t.shape}, expected {expected[name]}"
+                f"hf: tensor {name} in {t.file} has shape {t.shape}, expected {known[name]}"
             )
-    missing = sorted(set(expected) - set(weights))
+    absent = _absent_parts(hf, expected, weights, spec, model_args)
+    missing = sorted(set(expected) - set(weights) - set(absent))
     if missing:
         raise CheckpointError(
             f"hf: tensor {missing[0]} missing in {hf} ({len(missing)} missing in all; "
             "does config.json match the weights?)"
         )
+    return absent
+
+
+def _absent_parts(
+    hf: str, expected: dict[str, tuple[int, ...]], weights: dict[str, HFTensor], spec: ModelSpec,
+    model_args: Any,
+) -> list[str]:  # fmt: skip
+    """The expected names of the optional parts of which ``weights`` hold no tensor at all."""
+    parts: dict[str, list[str]] = {}
+    for name in expected:
+        if (part := spec.hf.optional_part(name, model_args)) is not None:
+            parts.setdefault(part, []).append(name)
+    absent = []
+    for part, names in parts.items():
+        if not any(name in weights for name in names):
+            logger.warning(
+                "hf: %s has none of the %d tensors of the %s: they start from the model's "
+                "initialization",
+                hf,
+                len(names),
+                part,
+            )
+            absent += names
+    return absent
 
 
 # ---------------------------------------------------------------- loading
@@ -241,14 +288,15 @@ def load_hf_into_model(hf: str, model: nn.Module) -> None:
     hf = hf.rstrip("/")
     model_args = model.model_args
     weights = list_hf_weights(hf)
-    check_hf_weights(hf, weights, model_args)
+    strict = not check_hf_weights(hf, weights, model_args)  # absent parts keep their init
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     if distributed:
         state_dict = load_hf_state_dict(weights, model_args) if dist.get_rank() == 0 else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
         set_model_state_dict(model, state_dict, options=options)
     else:
-        set_model_state_dict(model, load_hf_state_dict(weights, model_args))
+        options = StateDictOptions(strict=strict)
+        set_model_state_dict(model, load_hf_state_dict(weights, model_args), options=options)
 
 
 __all__ = [
@@ -257,6 +305,7 @@ __all__ = [
     "HFTensor",
     "check_hf_weights",
     "expected_shapes",
+    "initialized_tensors",
     "list_hf_weights",
     "load_hf_into_model",
     "load_hf_state_dict",

@@ -72,11 +72,14 @@ class MoEStats:
         device: torch.device | None = None,
     ) -> None:
         moe_args = getattr(model_args, "moe", None)
-        self.n_layers = int(getattr(model_args, "n_layers", 0))
         self.num_experts = moe_args.num_experts if moe_args is not None else 0
         self.layers: dict[int, MoE] = {
             _layer_index(name): m for name, m in moe_layers(model).items()
         }
+        # Blocks numbered past n_layers (multi-token prediction modules) get rows of their own.
+        self.n_layers = max(
+            int(getattr(model_args, "n_layers", 0)), max(self.layers, default=-1) + 1
+        )
         # From the model's args, not this rank's layers: under PP a stage may hold no MoE layer
         # and must still join the pp-wide reduction of the log steps.
         self.enabled = moe_args is not None

@@ -18,6 +18,8 @@ from titan_core import storage
 from titan_core.checkpoint.dcp_io import dcp_writer
 from titan_core.checkpoint.hf_weights import (
     check_hf_weights,
+    expected_shapes,
+    initialized_tensors,
     list_hf_weights,
     load_hf_state_dict,
     read_hf_model_args,
@@ -38,8 +40,12 @@ def hf_to_dcp(hf: str, output: str, *, model_args: Any | None = None) -> Any:
     hf = hf.rstrip("/")
     model_args = model_args if model_args is not None else read_hf_model_args(hf)
     weights = list_hf_weights(hf)
-    check_hf_weights(hf, weights, model_args)
+    absent = check_hf_weights(hf, weights, model_args)
     state_dict = load_hf_state_dict(weights, model_args)
+    if absent:  # a part the folder may lack (warned about): the model's own initialization
+        state_dict |= initialized_tensors(
+            model_args, set(expected_shapes(model_args)) - set(state_dict)
+        )
     model = describe_model(spec_for_args(model_args).name, model_args)  # self-describing
     with StagedOutput(output, last=COMMIT_MARKER) as out:
         with warnings.catch_warnings():

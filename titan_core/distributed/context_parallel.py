@@ -35,6 +35,7 @@ __all__ = [
     "context_parallel_context",
     "enable_cpu_ring_attention",
     "model_cp_buffers",
+    "pad_values_to_query_head_size",
 ]
 
 aten = torch.ops.aten
@@ -207,6 +208,41 @@ def enable_cpu_ring_attention() -> None:
     )
 
 
+def _equal_head_sizes(sdpa: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``sdpa`` with values zero-padded to the query/key head size and the output sliced back.
+
+    The CPU's one fused attention kernel needs a single head size, and only fused kernels run
+    as a ring: with values narrower than the queries (multi-head latent attention: qk 192, v
+    128) SDPA on CPU falls back to its decomposed math path, which context parallel cannot
+    shard. Zero value channels leave the real ones unchanged. (CUDA's memory-efficient kernel
+    takes the two sizes as they are.)"""
+
+    @functools.wraps(sdpa)
+    def padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs):
+        v_head_dim = value.shape[-1]
+        if query.shape[-1] <= v_head_dim:
+            return sdpa(query, key, value, *args, **kwargs)
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - v_head_dim))
+        return sdpa(query, key, value, *args, **kwargs)[..., :v_head_dim]
+
+    return padded
+
+
+@contextlib.contextmanager
+def pad_values_to_query_head_size() -> Iterator[None]:
+    """Within the body, ``F.scaled_dot_product_attention`` (whatever it is now: inside
+    ``context_parallel``, its ring wrapper) pads narrower values (``_equal_head_sizes``), so
+    that CPU runs a fused kernel: CP on CPU, and ``titan estimate``'s fake-tensor profiles
+    (GPU kernels do not materialize the score matrix either)."""
+    functional = torch.nn.functional
+    sdpa = functional.scaled_dot_product_attention
+    functional.scaled_dot_product_attention = _equal_head_sizes(sdpa)
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = sdpa
+
+
 @contextlib.contextmanager
 def context_parallel_context(
     cp_mesh: DeviceMesh,
@@ -230,11 +266,15 @@ def context_parallel_context(
         enable_cpu_ring_attention()
     _torch_cp_internals().set_rotate_method(rotate_method)
     seq_len = buffers[0].shape[seq_dims[0]]
-    with context_parallel(
-        cp_mesh,
-        buffers=list(buffers),
-        buffer_seq_dims=list(seq_dims),
-        no_restore_buffers=set(no_restore),
+    pad = pad_values_to_query_head_size if cp_mesh.device_type == "cpu" else contextlib.nullcontext
+    with (
+        context_parallel(
+            cp_mesh,
+            buffers=list(buffers),
+            buffer_seq_dims=list(seq_dims),
+            no_restore_buffers=set(no_restore),
+        ),
+        pad(),
     ):
         _log_once(
             "Context parallel: ring attention over %d ranks (%s rotation), %d of %d tokens "

@@ -221,7 +221,14 @@ class PipelineRunner:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        """Mean loss of one whole batch, forward only; None on ranks without the last stage.
+        """Mean loss of one whole batch, forward only; None on ranks without the last stage."""
+        logits = self.eval_logits(inputs)
+        return None if logits is None else self.loss.loss_fn(logits, labels)
+
+    @torch.no_grad()
+    def eval_logits(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The last stage's output (logits) of one whole batch of any shape, forward only;
+        None on ranks without the last stage.
 
         Stages run in order and pass activations point to point, without the schedule: the
         V-shaped schedules cannot run forward-only (``schedule.eval`` fails in torch 2.13)."""
@@ -238,9 +245,7 @@ class PipelineRunner:
             if prev is not None and prev != rank:
                 h = _recv(prev, group, self.device)
             h = local[idx].submod(h)
-        if not self.has_last_stage:
-            return None
-        return self.loss.loss_fn(h, labels)
+        return h if self.has_last_stage else None
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)

@@ -39,6 +39,8 @@ class Estimate:
                 "flavor": cfg.model.flavor,
                 "num_params": layout.num_params,
                 "num_activated_params": layout.num_activated_params,
+                "num_mtp_params": layout.num_mtp_params,
+                "num_mtp_activated_params": layout.num_mtp_activated_params,
                 "n_layers": layout.model_args.n_layers,
                 "vocab_size": layout.model_args.vocab_size,
                 "vocab_source": layout.vocab_source,

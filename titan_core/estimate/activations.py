@@ -31,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from titan_core.components.loss import cross_entropy_loss
 from titan_core.distributed.activation_checkpoint import apply_activation_checkpointing
+from titan_core.distributed.context_parallel import pad_values_to_query_head_size
 from titan_core.estimate.fake_moe import balanced_routing
 from titan_core.estimate.layout import Layout, tp_local_shape
 
@@ -203,7 +204,9 @@ def profile_block(
             wrapped, dataclasses.replace(ac, mode=mode, selective_ac_option="op")
         )
         block = wrapped["0"]
-    with FakeTensorMode():
+    # Values narrower than queries (MLA) would send CPU SDPA down its math path, which keeps
+    # the whole score matrix: pad them so that a fused kernel runs, as on GPUs.
+    with FakeTensorMode(), pad_values_to_query_head_size():
         _fake_params(block, layout.param_dtype, layout.dims.tp, shard_dims)
         _ep_local_experts(block, layout.dims.ep)
         freqs = torch.empty(seq, args.head_dim // 2, dtype=torch.complex64)
@@ -288,8 +291,13 @@ def profile_layout(layout: Layout) -> Profiles:
     """Measure every block kind the config uses, the head, and (under TP) one norm."""
     model, batch = layout.model, layout.microbatch_size
     kinds = {layer_kind(layout, i) for i in range(layout.model_args.n_layers)} | {"none"}
-    key, first = next(iter(model.layers.items()))
-    name = f"layers.{key}"
+    # The first MoE block where there is one (DeepSeek-V3: 3 dense then 58 MoE layers),
+    # else the first block: one profile stands for every layer.
+    moe = [
+        k for k in model.layers if layout.moe is not None and layout.model_args.moe_layer(int(k))
+    ]
+    key = moe[0] if moe else next(iter(model.layers))
+    first, name = model.layers[key], f"layers.{key}"
     blocks = {kind: profile_block(layout, name, first, kind, batch) for kind in sorted(kinds)}
     head = profile_head(layout, model.norm, model.output, batch)
     norm = profile_norm(layout, model.norm, batch) if layout.dims.tp > 1 else None

@@ -51,9 +51,11 @@ class Layout:
     model_args: Any
     vocab_source: str
     num_params: int
+    """The model's parameters, multi-token prediction modules left out (as published counts
+    leave them: DeepSeek-V3's 671B); memory terms count every parameter."""
     num_activated_params: int
-    """Parameters one token goes through (MoE: only its top-k routed experts); the FLOPs
-    count these. Equal to ``num_params`` for dense models."""
+    """Parameters one token goes through (MoE: only its top-k routed experts), MTP modules
+    left out. Equal to ``num_params`` for dense models."""
     flops_per_token: int
     param_shapes: dict[str, tuple[int, ...]]
     """Every parameter by name; a tied table appears under both of its names."""
@@ -67,6 +69,11 @@ class Layout:
     num_microbatches: int
     model: torch.nn.Module
     """The whole model on the meta device (no storage): the source of every shape."""
+    num_mtp_params: int = 0
+    """Parameters of the multi-token prediction modules (trained, held and counted in the
+    FLOPs like the others; 0 without MTP)."""
+    num_mtp_activated_params: int = 0
+    """Of those, the ones one token goes through."""
 
     @property
     def fsdp(self) -> bool:
@@ -257,8 +264,8 @@ def _rank_layouts(
 ) -> tuple[tuple[RankLayout, ...], int]:
     """What each pipeline rank holds under the family's own stage split
     (``ModelSpec.plan_pipeline``, as training uses it), and the microbatch count."""
-    if pp == 1:
-        layers = tuple(range(model_args.n_layers))
+    if pp == 1:  # every layer, multi-token prediction blocks (after the last) included
+        layers = tuple(range(model_args.n_layers + getattr(model_args, "mtp_layers", 0)))
         return (RankLayout(0, layers, True, True, 1),), 1
     plan = spec.plan_pipeline(cfg, model_args, pp)
     out = []
@@ -313,6 +320,8 @@ def build_layout(cfg: JobConfig, world_size: int) -> Layout:
     num_params, flops_per_token = spec.nparams_and_flops(args, model, cfg.training.seq_len)
     counts = getattr(args, "param_counts", None)
     activated = num_params - (counts()[0] - counts()[1]) if counts is not None else num_params
+    mtp_counts = getattr(args, "mtp_param_counts", None)
+    mtp, mtp_activated = mtp_counts() if mtp_counts is not None else (0, 0)
     shapes: dict[str, tuple[int, ...]] = {}
     first_name: dict[int, str] = {}
     tied = set()
@@ -325,8 +334,8 @@ def build_layout(cfg: JobConfig, world_size: int) -> Layout:
         dims=dims,
         model_args=args,
         vocab_source=source,
-        num_params=num_params,
-        num_activated_params=activated,
+        num_params=num_params - mtp,
+        num_activated_params=activated - mtp_activated,
         flops_per_token=flops_per_token,
         param_shapes=shapes,
         tied=frozenset(tied),
@@ -335,6 +344,8 @@ def build_layout(cfg: JobConfig, world_size: int) -> Layout:
         microbatch_size=cfg.training.local_batch_size // num_mb,
         num_microbatches=num_mb,
         model=model,
+        num_mtp_params=mtp,
+        num_mtp_activated_params=mtp_activated,
     )
 
 

@@ -30,6 +30,11 @@ def _header(est: Estimate) -> list[str]:
     moe = d["moe"]
     if moe is not None:
         params += f" ({m['num_activated_params']:,} activated)"
+    if m["num_mtp_params"]:
+        params += (
+            f" + multi-token prediction {m['num_mtp_params']:,} "
+            f"({m['num_mtp_activated_params']:,} activated)"
+        )
     lines = [
         f"{m['name']} {m['flavor']}: {params}, {m['n_layers']} layers, "
         f"vocab {m['vocab_size']:,} ({m['vocab_source']})",

@@ -18,7 +18,13 @@ from types import ModuleType
 from typing import Any
 
 from titan_core.errors import CheckpointError, ConfigError
-from titan_core.models.protocol import HFAdapter, ModelSpec, StateDict, decoder_spec
+from titan_core.models.protocol import (
+    HFAdapter,
+    ModelSpec,
+    StateDict,
+    decoder_spec,
+    forward_takes_labels,
+)
 
 ENTRY_POINT_GROUP = "titan.models"
 CHECKPOINT_FLAVOR = "checkpoint"
@@ -27,6 +33,7 @@ _BUILTIN = {
     "llama3": "titan_core.models.llama3",
     "qwen3": "titan_core.models.qwen3",
     "qwen3_moe": "titan_core.models.qwen3_moe",
+    "deepseek_v3": "titan_core.models.deepseek_v3",
 }
 _MODEL_SPECS: dict[str, ModelSpec] = {}
 
@@ -190,6 +197,7 @@ __all__ = [
     "decoder_spec",
     "describe_model",
     "family_names",
+    "forward_takes_labels",
     "get_flavor",
     "get_model_spec",
     "model_from_description",

@@ -8,6 +8,7 @@ A family is a package (``titan_core.models.<family>`` or any importable module) 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,17 @@ if TYPE_CHECKING:
 
 StateDict = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+def no_extra_tensors(found: Shapes, expected: Shapes, args: Any) -> dict[str, tuple[int, ...]]:
+    """A family whose ``from_hf`` reads ``to_hf``'s names only."""
+    return {}
+
+
+def no_optional_part(name: str, args: Any) -> str | None:
+    """A family every folder of which holds every tensor ``to_hf`` names."""
+    return None
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,8 @@ class HFAdapter:
     corresponding subset; dcp-to-hf streams tensor by tensor), ``to_hf_config`` gives the
     ``config.json`` content (``architectures`` and ``model_type`` included), ``from_hf_config``
     the model args of a ``config.json`` (CheckpointError naming ``source`` when it cannot).
+    ``extra_tensors`` and ``optional_part`` tell the check of a folder's tensors
+    (``checkpoint.hf_weights.check_hf_weights``) what else it may hold and what it may lack.
     """
 
     architectures: tuple[str, ...]
@@ -44,6 +58,14 @@ class HFAdapter:
     from_hf: Callable[[StateDict, Any], StateDict]
     to_hf_config: Callable[[Any], dict[str, Any]]
     from_hf_config: Callable[[dict[str, Any], str], Any]
+    extra_tensors: Callable[[Shapes, Shapes, Any], dict[str, tuple[int, ...]]] = no_extra_tensors
+    """``(found, expected, args)``: the tensors of a folder (``found``, name -> shape) that
+    ``from_hf`` reads beyond ``to_hf``'s names (``expected``), each with the shape it must
+    have: FP8 block scales it folds in, copies of shared weights it drops. Others are unknown."""
+    optional_part: Callable[[str, Any], str | None] = no_optional_part
+    """``(name, args)``: for one of ``to_hf``'s names, the part of the model it belongs to when
+    a folder may lack that part whole (a layer ``transformers`` does not save), named for the
+    warning; that part then keeps the model's initialization. None: every folder has it."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +96,13 @@ class ModelSpec:
     hf: HFAdapter
     config_registry: str
     description: str = ""
+
+
+def forward_takes_labels(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``labels=`` (the training targets, (bs, seq)) besides the
+    tokens: a model that trains a loss of its own (multi-token prediction) reads the targets
+    past the window's last token from them."""
+    return "labels" in inspect.signature(model.forward).parameters
 
 
 def decoder_spec(

@@ -1,6 +1,6 @@
-"""Mixture-of-experts feed-forward: a top-k router, routed experts stored as stacked weights,
-optional shared experts, and load balancing (the Switch/Qwen3-MoE auxiliary loss and
-DeepSeek-V3's loss-free expert bias).
+"""Mixture-of-experts feed-forward: a top-k router (optionally group-limited, as DeepSeek-V3's),
+routed experts stored as stacked weights, optional shared experts, and load balancing (the
+Switch/Qwen3-MoE auxiliary loss and DeepSeek-V3's loss-free expert bias).
 
 Dispatch is capacity-free: every token reaches all of its top-k experts. Tokens are sorted by
 expert and the experts run as one grouped GEMM (``torch.nn.functional.grouped_mm``) or as an
@@ -56,6 +56,11 @@ class MoEArgs:
     only, nudged after every step towards equal loads."""
     bias_update_rate: float = 1e-3
     """Step of the loss-free bias update."""
+    num_groups: int = 1
+    """Expert groups for group-limited routing (HF ``n_group``); 1 routes over all experts."""
+    top_groups: int = 1
+    """Groups each token may use (HF ``topk_group``): the groups whose two best selection
+    scores sum highest; the experts of the others are out of the token's top-k."""
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -73,6 +78,23 @@ class MoEArgs:
             )
         if self.hidden_dim < 1:
             raise ConfigError(f"model.moe.hidden_dim: expected an int >= 1, got {self.hidden_dim}")
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ConfigError(
+                f"model.moe.num_groups: {self.num_groups} must be >= 1 and divide num_experts "
+                f"({self.num_experts})"
+            )
+        if not 1 <= self.top_groups <= self.num_groups:
+            raise ConfigError(
+                f"model.moe.top_groups: {self.top_groups} must be between 1 and num_groups "
+                f"({self.num_groups})"
+            )
+        if self.top_groups < self.num_groups and self.top_k > self.top_groups * (
+            self.num_experts // self.num_groups
+        ):
+            raise ConfigError(
+                f"model.moe.top_k: {self.top_k} is more than the experts of {self.top_groups} "
+                f"of {self.num_groups} groups"
+            )
 
     @property
     def shared_dim(self) -> int:
@@ -196,6 +218,8 @@ class Router(nn.Module):
         else:
             scores = torch.sigmoid(logits)
         select = scores if expert_bias is None else scores + expert_bias
+        if self.args.top_groups < self.args.num_groups:
+            select = self._limit_groups(select)
         _, expert_ids = torch.topk(select, self.args.top_k, dim=-1)
         weights = scores.gather(-1, expert_ids)
         if self.args.route_norm:
@@ -205,6 +229,18 @@ class Router(nn.Module):
             weights = weights / denominator
         weights = weights * self.args.route_scale
         return scores, expert_ids, weights.to(x.dtype)
+
+    def _limit_groups(self, select: torch.Tensor) -> torch.Tensor:
+        """``select`` (tokens, E) with the experts outside each token's ``top_groups`` best
+        groups set to -inf; a group's score is the sum of its two best selection scores
+        (DeepSeek-V3, as transformers' ``DeepseekV3TopkRouter``)."""
+        groups, top = self.args.num_groups, self.args.top_groups
+        grouped = select.view(select.shape[0], groups, -1)  # (tokens, groups, E / groups)
+        best = min(2, grouped.shape[-1])
+        group_scores = grouped.topk(best, dim=-1).values.sum(dim=-1)  # (tokens, groups)
+        chosen = torch.topk(group_scores, top, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(select)
 
     def init_weights(self) -> None:
         """Gate at std 0.02."""
@@ -241,6 +277,13 @@ class _ScaleGradientAdder(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
         aux_grad = torch.full(ctx.aux_shape, ctx.coef, dtype=torch.float32, device=grad.device)
         return grad, aux_grad, None
+
+
+def add_loss_gradient(out: torch.Tensor, loss: torch.Tensor, coef: float) -> torch.Tensor:
+    """``out`` unchanged; its backward also back-propagates ``coef * loss``: a side loss (the
+    MoE aux loss, multi-token prediction) trains its parameters without the training loss
+    having to carry it."""
+    return _ScaleGradientAdder.apply(out, loss, coef)
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -326,8 +369,8 @@ class MoE(nn.Module):
         if self.tp_group is not None:  # the outputs below are partial sums over tp
             rows = _AllReduceGrad.apply(rows, self.tp_group)
             row_weights = _AllReduceGrad.apply(row_weights, self.tp_group)
-        routed = self.dispatcher(self.experts, rows, counts) * row_weights
-        out = torch.zeros_like(tokens).index_add_(0, token_of_row, routed)
+        routed = self.dispatcher(self.experts, rows, counts)  # (tokens * k, dim)
+        out = self._combine(routed, row_weights, expert_ids, order, token_of_row).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         if self.training and self.args.aux_loss_coef > 0 and torch.is_grad_enabled():
@@ -335,6 +378,28 @@ class MoE(nn.Module):
             self.aux_loss = aux.detach()
             out = _ScaleGradientAdder.apply(out, aux, self.args.aux_loss_coef * self.aux_loss_scale)
         return out.reshape(bs, seq, dim)
+
+    def _combine(
+        self,
+        routed: torch.Tensor,
+        row_weights: torch.Tensor,
+        expert_ids: torch.Tensor,
+        order: torch.Tensor,
+        token_of_row: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each token's weighted expert outputs summed in float32, in ascending expert order
+        whatever order top-k returned them in (transformers' loop order): the same bits on
+        every device and layout, no atomics. ``routed`` rows are sorted by expert (``order``);
+        returns (tokens, dim) float32."""
+        n, k = expert_ids.shape
+        rank = expert_ids.argsort(dim=-1).argsort(dim=-1)  # (tokens, k): place by expert id
+        slot = token_of_row * k + rank.reshape(-1)[order]  # each row's place, token-major
+        weighted = routed.float() * row_weights.float()
+        by_token = weighted.new_zeros(weighted.shape).index_copy(0, slot, weighted).view(n, k, -1)
+        out = by_token[:, 0]
+        for j in range(1, k):  # sequential: a fixed summation order
+            out = out + by_token[:, j]
+        return out
 
     def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Switch-Transformer balance loss ``E * sum_e f_e * P_e`` (Qwen3-MoE's, per layer):
