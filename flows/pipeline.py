@@ -85,6 +85,7 @@ def train_and_publish(
         tracking,
         cfg.tracking.registered_model,
         drill=cfg.debug.drill,  # a drill is summarised, never registered
+        champion_metric=cfg.tracking.champion_metric,
     )
     uri = public_url(tracking.uri) if tracking else ""  # shown to people: no credentials
     health = dataclasses.asdict(trained.health)

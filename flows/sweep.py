@@ -172,7 +172,8 @@ def sweep(
         trials: Number of random draws (with random).
         seed: Seed of the random search: the same seed draws the same trials.
         concurrency: Trials running at the same time.
-        metric: Metric of the trials' pipeline runs that picks the best one (lowest wins).
+        metric: Metric of the trials' pipeline runs that picks the best one (the lowest, or
+            the highest for an accuracy such as eval/NAME/acc).
         deployment: A pretrain_pipeline deployment to run each trial on its work pool
             (name or flow/name); empty runs the trials as subflows of this flow run.
         config_file: TOML job config applied onto the recipe for every trial.

@@ -1,5 +1,5 @@
-"""``evaluate``: held-out loss, perplexity, bits per byte and samples of a checkpoint
-(``titan_core.pipeline.stages.evaluation`` does the work)."""
+"""``evaluate``: held-out loss, perplexity, bits per byte, the ``[evaluators]`` and samples of a
+checkpoint (``titan_core.pipeline.stages.evaluation`` does the work)."""
 
 from __future__ import annotations
 
@@ -40,12 +40,16 @@ def evaluate(
         report_markdown(result), key="evaluation-report", description="Evaluation report"
     )
     metrics = result.metrics
+    scores = [  # the evaluators' (``<name>/<metric>``), their timings left to the report
+        f"{k} {v:.4f}" for k, v in metrics.items() if "/" in k and not k.endswith("/seconds")
+    ]
     run_logger().info(
-        "Step %d: eval loss %.4f, perplexity %.3f, bits/byte %.4f (%s tokens)",
+        "Step %d: eval loss %.4f, perplexity %.3f, bits/byte %.4f (%s tokens)%s",
         result.step,
         metrics["loss"],
         metrics["perplexity"],
         metrics["bits_per_byte"],
         f"{metrics['num_tokens']:,}",
+        f"; {', '.join(scores)}" if scores else "",
     )
     return result

@@ -29,16 +29,25 @@ def publish(
     tracking: TrackingContext | None = None,
     registered_model: str = "",
     drill: bool = False,
+    champion_metric: str = "eval/loss",
 ) -> Publication:
-    """Register ``hf_url`` as a model version, move ``champion`` if it improved (never for a
-    ``drill``), summarise the run as Prefect artifacts (summary with the step guard's incidents,
-    metrics table, where the run root and export are)."""
+    """Register ``hf_url`` as a model version, move ``champion`` if its ``champion_metric``
+    improved (never for a ``drill``), summarise the run as Prefect artifacts (summary with the
+    step guard's incidents, metrics table, where the run root and export are)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
     from prefect.runtime import flow_run  # the recipe is the flow's parameter (retrain: none)
 
     recipe = str((flow_run.parameters or {}).get("recipe") or "")
     pub = publish_run(
-        run_root, checkpoint_url, hf_url, evaluation, tracking, registered_model, recipe, drill
+        run_root,
+        checkpoint_url,
+        hf_url,
+        evaluation,
+        tracking,
+        registered_model,
+        recipe,
+        drill,
+        champion_metric=champion_metric,
     )
     create_markdown_artifact(
         summary_markdown(pub), key="run-summary", description="Pipeline run summary"

@@ -32,6 +32,11 @@ ADDED_KEYS = {  # issue 22: the step guard ([health]) and fault drills
     *(f"fault_tolerance.{name}" for name in ("semi_sync", "sync_every", "outer_lr")),
     "fault_tolerance.outer_momentum",
     "checkpoint.verify",  # issue 35: checksums of a checkpoint's files, checked before a load
+    # issue 38: in-loop evaluation on named held-out sets and downstream tasks
+    *(f"evaluators.{name}" for name in ("sets", "freq", "at_start", "batch_size", "batches")),
+    "tracking.champion_metric",  # issue 38: the champion gate on any metric, in its direction
+    "model.mtp_layers",  # issue 37: DeepSeek-V3's multi-token prediction depth and loss weight
+    "model.mtp_loss_weight",
 }
 
 # The tiny debug Llama: seconds of CPU per step on gloo.

@@ -37,6 +37,7 @@ def _renamed_flags() -> dict[str, str]:
 
 # Command options (not config keys) added since the snapshot, by command.
 ADDED_OPTIONS = {"titan pipeline run": {"-v", "--verbose", "--no-verbose"}}  # issue 36
+ADDED_OPTIONS["titan sweep"] = {"--early-stop-metric"}  # issue 38: early stopping on any metric
 
 
 def _no(key: str) -> str:

@@ -126,6 +126,44 @@ def test_compare_table_differing_keys_and_plot(tracking: tuple[str, dict], tmp_p
     assert after - before == {result.compare_run_id}
 
 
+EVALS = {  # two runs' evaluators: the lower-loss run is the less accurate one
+    "lr-high": {"eval/ns/acc": 0.3125, "eval/ns/acc_per_char": 0.25, "eval/ns/bits_per_byte": 2.5,
+                "eval/corpus/loss": 4.25, "eval/corpus/perplexity": 70.1, "eval/ns/seconds": 1.5,
+                "eval/lc/acc": 0.5, "eval/lc/acc_per_token": 0.375, "eval/lc/acc_per_char": 0.4},
+    "lr-low": {"eval/ns/acc": 0.4375, "eval/corpus/loss": 4.5},
+}  # fmt: skip
+
+
+def test_compare_shows_the_evaluators_numbers(tmp_path: Path) -> None:
+    """Each run's ``eval/<name>/<metric>`` (timings aside): in ``--json`` rows, as a row each
+    in the markdown, and as a table of their own in the terminal, within 120 columns."""
+    from rich.console import Console
+
+    from titan_core.cli.compare import TEXT_WIDTH, print_comparison
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for name, overrides in VARIANTS.items():
+        log_pipeline_run(uri, "evals", name, [*BASE, *overrides], evals=EVALS[name])
+    result = compare_experiment("evals", None, uri)
+    by_name = {row["run"]: row for row in result.runs}
+    assert list(by_name["lr-high"]["evals"]) == [  # by evaluator, metrics in the docs' order
+        "eval/corpus/loss", "eval/corpus/perplexity", "eval/lc/acc", "eval/lc/acc_per_token",
+        "eval/lc/acc_per_char", "eval/ns/acc", "eval/ns/acc_per_char", "eval/ns/bits_per_byte",
+    ]  # fmt: skip
+    assert by_name["lr-low"]["evals"] == pytest.approx(EVALS["lr-low"])
+    assert "| `eval/ns/acc` | 0.3125 | 0.4375 |" in result.markdown
+    assert "| `eval/lc/acc` | 0.5000 | — |" in result.markdown  # the run without it: a dash
+    assert "eval/ns/seconds" not in result.markdown
+    assert max(len(line) for line in result.markdown.splitlines() if line[:1] == "|") <= 80
+    console = Console(width=TEXT_WIDTH, record=True)
+    print_comparison(result, console)
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= TEXT_WIDTH
+    assert "Evaluators on the final checkpoint (eval/<name>/<metric>)" in text
+    assert "acc_per_token" in text and "0.3125" in text and "0.4375" in text
+    assert "eval/<name>/<metric>: the run's [evaluators] on its final checkpoint" in text
+
+
 def test_run_specific_keys_are_left_out_by_rule() -> None:
     """Keys that differ by construction are named apart from the differences: paths into each
     run's own folder (equal once run ids are masked, whichever run's folder they point into)

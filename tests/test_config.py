@@ -285,7 +285,7 @@ def test_registry_errors_list_the_choices() -> None:
     assert "llama3_8b" in message and "llama3_debugmodel_tiny" in message
     assert "_llama3_gpu_recipe" not in message
     assert config_error(["--module=gpt", "--config=x"]) == (
-        "--module 'gpt': unknown model family; choices: llama3, qwen3, qwen3_moe"
+        "--module 'gpt': unknown model family; choices: deepseek_v3, llama3, qwen3, qwen3_moe"
     )
     assert "names the family of a --config recipe" in config_error(["--module", "llama3"])
     # Recipe names are unique: --config alone finds its family.

@@ -19,6 +19,7 @@ import pytest
 import tomli_w
 import torch
 from helpers import TINY
+from hf_helpers import export_hf_folder
 from storage_faults import Disk, files_under, one_line, titan
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -469,37 +470,6 @@ def test_lm_eval_inputs_checked_first(
     assert not (tmp_path / "out").exists()
 
 
-def _export_hf(model: nn.Module, tokenizer: Tokenizer, out: Path) -> None:
-    """A Hugging Face folder for the tiny model (what the converter will produce)."""
-    import transformers
-    from tokenizers import processors
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    spec, args = get_model_spec("llama3"), model.model_args
-    config = transformers.LlamaConfig(
-        **spec.hf.to_hf_config(args), bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id
-    )
-    hf = transformers.LlamaForCausalLM(config)
-    hf.load_state_dict(spec.hf.to_hf(model.state_dict(), args))
-    hf.save_pretrained(out)
-    converted = TikTokenConverter(
-        vocab_file=tokenizer.path,
-        pattern=tokenizer.model._pat_str,
-        extra_special_tokens=tokenizer.special_tokens,
-    ).converted()
-    # Encoding adds <|begin_of_text|>, as the converter's and Meta's Llama 3 tokenizers do.
-    bos = ("<|begin_of_text|>", tokenizer.bos_id)
-    converted.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(single=f"{bos[0]} $A", special_tokens=[bos]),
-        ]
-    )
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=converted, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"
-    ).save_pretrained(out)
-
-
 _DOCS = ["To be, or not to be, that is the question.", "A list comprehension makes a list."]
 _CHOICES = [("To be, or not to", [" be", " cat"]), ("The Python", [" zebra", " language"])]
 
@@ -516,7 +486,7 @@ def test_lm_eval_offline_on_hf_export(run_dir: Path, tmp_path: Path, tokenizer: 
     import lm_eval  # noqa: F401  (the `eval` extra, installed by `make test`: never skipped)
 
     model = _titan_model(run_dir / "checkpoint" / "step-4", tokenizer.n_words)
-    _export_hf(model, tokenizer, run_dir / "hf")  # the default --hf-folder: <run>/hf
+    export_hf_folder(model, tokenizer, run_dir / "hf")  # the default --hf-folder: <run>/hf
     tasks = tmp_path / "tasks"
     (tasks / "data").mkdir(parents=True)
     doc = (ROOT / "docs" / "evaluation.md").read_text()  # the documented task files, verbatim

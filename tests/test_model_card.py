@@ -95,3 +95,19 @@ def test_version_description_and_tokens() -> None:
     )
     t = cfg.training
     assert tokens_trained(cfg) == t.steps * t.local_batch_size * 2 * t.seq_len
+
+
+def test_model_card_lists_the_evaluators_numbers() -> None:
+    scores = {"ns/acc": 0.3125, "ns/bits_per_byte": 2.5, "ns/seconds": 1.5, "corpus/loss": 4.25}
+    facts = dataclasses.replace(FACTS, eval_metrics={**FACTS.eval_metrics, **scores})
+    card = model_card(facts)
+    section = card.split("## Evaluators", 1)[1].split("## Precision", 1)[0]
+    assert "| metric | value | better |" in section
+    for row in (
+        "| `eval/ns/acc` | 0.3125 | higher |",
+        "| `eval/ns/bits_per_byte` | 2.5 | lower |",
+        "| `eval/corpus/loss` | 4.25 | lower |",
+    ):
+        assert row in section, row
+    assert "seconds" not in card  # timings are the report's, not the model's
+    assert "## Evaluators" not in model_card(FACTS)  # none without evaluators

@@ -132,7 +132,7 @@ def test_bad_sweeps_are_one_line(kwargs: dict[str, Any], message: str) -> None:
         # 0 is not "unset" (it used to run the default 4 draws).
         (["--random", "optimizer.lr=choice:1e-3,3e-3", "--trials", "0"], "--trials: expected"),
         # An unknown metric would run the whole sweep and pick no best.
-        (["--grid", "training.steps=2", "--metric", "accuracy"], "--metric: expected a metric"),
+        (["--grid", "training.steps=2", "--metric", "accuracy"], "--metric: expected train/loss"),
         # Resolved per trial before any runs: the trial and its key are named.
         (["--grid", "training.steps=2,0"], "trial-2 steps=0: training.steps: expected"),
         (["--grid", "training.steps=2", "--concurrency", "0"], "--concurrency: expected"),

@@ -21,11 +21,13 @@ from titan_core.resolve import parse_args
 
 
 def log_pipeline_run(
-    uri: str, experiment: str, name: str, argv: list[str]
+    uri: str, experiment: str, name: str, argv: list[str], evals: dict[str, float] | None = None
 ) -> tuple[str, list[float], float]:
     """Log one run of the config ``argv``; returns (run id, per-step losses, eval perplexity).
 
-    The loss falls linearly with ``optimizer.lr`` so runs of different configs differ.
+    The loss falls linearly with ``optimizer.lr`` so runs of different configs differ. ``evals``
+    (``eval/<name>/<metric>``) are logged as the evaluators' numbers: in the loop on the train
+    run, by the evaluate stage, and on the parent at the last step.
     """
     cfg = parse_args(argv)
     client = MlflowClient(uri)
@@ -51,7 +53,10 @@ def log_pipeline_run(
         exp_id, run_name="evaluate", tags={**nested, STAGE_TAG: "evaluate"}
     )
     ppl = 2.0 ** losses[-1]  # eval/loss is its natural log, as the evaluator's
-    for name, value in {"eval/loss": math.log(ppl), "eval/perplexity": ppl}.items():
+    for key, value in (evals or {}).items():
+        client.log_metric(train.info.run_id, key, value, step=cfg.training.steps)
+    final = {"eval/loss": math.log(ppl), "eval/perplexity": ppl, **(evals or {})}
+    for name, value in final.items():
         client.log_metric(evaluate.info.run_id, name, value)
         client.log_metric(run_id, name, value, step=cfg.training.steps)
     client.set_terminated(evaluate.info.run_id)

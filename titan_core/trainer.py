@@ -28,6 +28,7 @@ from titan_core.checkpoint.manager import (
     read_marker,
 )
 from titan_core.checkpoint.states import ModelState, TrainState
+from titan_core.components.evaluators import Evaluators, build_evaluators
 from titan_core.components.health import (
     HealthGuard,
     HealthStop,
@@ -50,6 +51,7 @@ from titan_core.components.metrics import (
 )
 from titan_core.components.mlflow_sink import mlflow_sink_from_env
 from titan_core.components.moe_stats import MoEStats
+from titan_core.components.mtp_stats import MTPStats
 from titan_core.components.optimizer import OptimizerState, build_optimizer
 from titan_core.components.profiling import MemoryProfiler, maybe_enable_profiling
 from titan_core.components.stragglers import StragglerMonitor, slow_down
@@ -63,7 +65,7 @@ from titan_core.distributed import utils as dist_utils
 from titan_core.distributed.context_parallel import context_parallel_context, model_cp_buffers
 from titan_core.distributed.pipeline_parallel import ModelPartsView
 from titan_core.logging import init_logger, logger
-from titan_core.models import describe_model, get_model_spec
+from titan_core.models import describe_model, forward_takes_labels, get_model_spec
 from titan_core.stop_request import StopRequests
 
 
@@ -126,7 +128,12 @@ class Trainer:
         for stage in self.pipeline.stages if self.pipeline is not None else []:
             if hasattr(stage, "_forward_metadata_inference"):  # torch's first-step shape pass
                 self.moe_stats.exclude_forwards_of(stage, "_forward_metadata_inference")
+        # A model training multi-token prediction: its loss's scale and the mtp/loss metric.
+        self.mtp_stats = MTPStats(self.model, self._dp_cp_group(), self._pp_group(), self.device)
+        # A forward that reads the targets (MTP's last positions) gets them.
+        self._labels_to_forward = self.pipeline is None and forward_takes_labels(self.model)
         self._autocast_dtype = autocast_dtype(cfg.training, self.parallel_dims.fsdp_enabled)
+        self.evaluators = self._build_evaluators()
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.train_state = TrainState(rank=self.dist.rank)
@@ -235,6 +242,66 @@ class Trainer:
             pp_group,
             self._train_context,
         )
+
+    def _build_evaluators(self) -> Evaluators | None:
+        """The in-loop evaluators (``[evaluators]``), their data read once; none when there are
+        none, or when the ranks are simulated (nothing real to score)."""
+        if not self.cfg.evaluators.sets:
+            return None
+        if self.cfg.comm.mode != "default":
+            logger.info("evaluators: skipped under comm.mode %s", self.cfg.comm.mode)
+            return None
+        return build_evaluators(
+            self.cfg,
+            self.tokenizer,
+            device=self.device,
+            group=self._eval_group(),
+            forward_context=self._autocast,
+            forward=self._eval_logits,
+            pp_group=self._pp_group(),
+        )
+
+    def _eval_group(self) -> dist.ProcessGroup | None:
+        """The ranks that share the evaluation's batches: the data-parallel ones. TP, CP and
+        PP ranks of one data-parallel rank run the same forwards (each its part of them)."""
+        if self.parallel_dims.dp_enabled:
+            return self.parallel_dims.dp_mesh.get_group()
+        if self.dist.world_size > 1:  # no data parallelism: every rank scores every batch
+            return dist.new_subgroups(group_size=1)[0]
+        return None
+
+    @torch.no_grad()
+    def _eval_logits(self, inputs: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | None:
+        """Whole logits (bs, seq, vocab) of one evaluation forward, as one process computes
+        them: through the pipeline's stages (None on ranks without the last stage), over the
+        CP ranks' sequence shards (gathered in order), with TP's vocab shards gathered."""
+        width, cp = inputs.shape[1], self.parallel_dims.cp
+        stack = contextlib.ExitStack()
+        if cp > 1:  # the RoPE table's shards line up with seq_len tokens: pad on the right
+            padded = inputs.new_zeros(inputs.shape[0], self.cfg.training.seq_len)
+            padded[:, :width] = inputs
+            inputs = padded
+            stack.enter_context(self._cp_context(inputs, torch.zeros_like(inputs)))
+        with stack:
+            if self.pipeline is not None:
+                logits = self.pipeline.eval_logits(inputs)
+            else:
+                logits = self.model(inputs, **kwargs)
+        if isinstance(logits, DTensor):  # loss parallel: sharded along the vocabulary
+            logits = logits.full_tensor()
+        if cp > 1 and logits is not None:
+            logits = self._cp_unshard(logits)[:, :width]
+        return logits
+
+    def _cp_unshard(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole sequence (dim 1) from each CP rank's head-tail shard: rank r holds
+        chunks r and 2 * cp - 1 - r of 2 * cp."""
+        group = self.parallel_dims.mesh["cp"].get_group()
+        shards = [torch.empty_like(local) for _ in range(self.parallel_dims.cp)]
+        dist.all_gather(shards, local.contiguous(), group=group)
+        heads = [shard.chunk(2, dim=1)[0] for shard in shards]
+        tails = [shard.chunk(2, dim=1)[1] for shard in reversed(shards)]
+        return torch.cat(heads + tails, dim=1)
 
     def _dp_cp_group(self) -> dist.ProcessGroup | None:
         """The data x context parallel ranks (whose tokens make up the batch), if any."""
@@ -499,7 +566,8 @@ class Trainer:
                 return self.pipeline.step(inputs, labels, scale)
         with self._train_context(inputs, labels):
             with self._autocast():
-                pred = self.model(inputs, doc_ids=doc_ids)  # (bs, seq, vocab)
+                extra = {"labels": labels} if self._labels_to_forward else {}
+                pred = self.model(inputs, doc_ids=doc_ids, **extra)  # (bs, seq, vocab)
             loss = self.loss_fn(pred, labels) * scale
             del pred  # free the logits before backward needs the memory
             loss.backward()
@@ -639,6 +707,7 @@ class Trainer:
         # steps, and under PP also 1 / microbatches (PipelineRunner.step scales each one's loss).
         microbatches = self.pipeline.num_microbatches if self.pipeline is not None else 1
         self.moe_stats.start_step(1.0 / (len(batches) * microbatches))
+        self.mtp_stats.start_step(1.0 / (len(batches) * microbatches))  # the same for MTP's
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels, *doc_ids in batches:  # doc_ids: [] or [(bs, seq)] when masking
             loss = self._forward_backward(inputs, labels, 1.0 / len(batches), *doc_ids)
@@ -708,7 +777,19 @@ class Trainer:
             logger.info("step: %5d  validation loss: %.4f", step, val["validation/loss"])
             self.metrics.log_scalars(step, val)
             row = {**(row or {"step": step}), **val}
+        if self.evaluators is not None and self.evaluators.due(step, last):
+            row = {**(row or {"step": step}), **self._evaluate(step)}
         return row
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        """Run the in-loop evaluators and log their metrics at ``step``; their time is left
+        out of the training throughput."""
+        assert self.evaluators is not None
+        start = time.perf_counter()
+        scores = self.evaluators.run(self.model, step)
+        self.metrics.log_scalars(step, scores)
+        self.metrics.exclude_time(time.perf_counter() - start)
+        return scores
 
     def train(self) -> list[dict[str, float]]:
         """Run until ``training.steps``; returns the logged metrics of each logged step."""
@@ -753,6 +834,8 @@ class Trainer:
             self.dist.world_size,
         )
         history: list[dict[str, float]] = []
+        if self.evaluators is not None and cfg.evaluators.at_start and start_step == 0:
+            history.append({"step": 0, **self._evaluate(0)})  # the model before training
         data_iter = iter(self.dataloader)
         gc.disable()  # collected every gc_freq steps instead, so pauses are predictable
         try:
@@ -819,10 +902,11 @@ class Trainer:
                     # MoE: loss-free bias update from the batch-wide expert counts (every
                     # step, when on) and the load metrics (on log steps).
                     moe = self.moe_stats.end_step(self.metrics.should_log(step) or final)
+                    mtp = self.mtp_stats.end_step(self.metrics.should_log(step) or final)
                     groups = self.ft.metrics() if self.ft is not None else {}
                     if self.semi is not None:
                         groups["ft/syncs"] = float(self.semi.syncs)
-                    extra = {**moe, **health, **groups}
+                    extra = {**moe, **mtp, **health, **groups}
                     if row := self._record(step, final, loss, grad_norm, extra):
                         history.append(row)
                     if self.ft is None or self.ft.saves():  # one replica group saves

@@ -31,9 +31,11 @@ from titan_core.pipeline.compare import (
 )
 from titan_core.pipeline.compare_view import (
     COLUMNS,
+    EVALUATORS_NOTE,
     STATISTICS_NOTE,
     VALUE_WIDTH,
     collapse,
+    evaluator_keys,
     fmt,
     short_names,
 )
@@ -131,6 +133,9 @@ def print_comparison(result: Comparison, console: Console | None = None) -> None
     title = f"Comparison of {len(result.runs)} runs in {result.experiment}"
     title += f", the trials of {group}" if group else ""
     tables = _stacked(title, COLUMNS["run"], names, _number_columns(result), console.width)
+    if evals := evaluator_keys(result.runs):
+        columns = _evaluator_columns(result, evals)
+        tables += _stacked(EVALUATORS_TITLE, COLUMNS["run"], names, columns, console.width)
     if result.differing_params:
         tables += _keys_tables(names, result, console.width)
     for table in tables:
@@ -143,6 +148,8 @@ def print_comparison(result: Comparison, console: Console | None = None) -> None
             f"Also different, by construction (a run's own folder, where it is recorded): {named}."
         )
     console.print(STATISTICS_NOTE.replace("`", ""), highlight=False)
+    if evals:
+        console.print(EVALUATORS_NOTE.replace("`", ""), highlight=False, markup=False)
 
 
 # A column of a terminal table: its heading, a cell per row, its width, its justification.
@@ -159,6 +166,20 @@ def _number_columns(result: Comparison) -> list[Column]:
         columns.append(
             (COLUMNS[key], cells, width, "left" if key in ("run_id", "status") else "right")
         )
+    return columns
+
+
+EVALUATORS_TITLE = "Evaluators on the final checkpoint (eval/<name>/<metric>)"
+
+
+def _evaluator_columns(result: Comparison, keys: list[str]) -> list[Column]:
+    """A column per ``eval/<name>/<metric>``, headed ``eval/<name>/`` over ``<metric>`` (a
+    heading wraps at its space), a cell per run ("—" where it has none)."""
+    columns = []
+    for key in keys:
+        head = key.rpartition("/")[0] + "/ " + key.rpartition("/")[2]
+        cells = [fmt(row.get("evals", {}).get(key)) for row in result.runs]
+        columns.append((head, cells, max([*map(len, head.split()), *map(len, cells)]), "right"))
     return columns
 
 

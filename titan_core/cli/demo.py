@@ -12,7 +12,9 @@ Everything lands under ``./outputs`` (runs in ``./outputs/demo/``, MLflow in
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import statistics
 from dataclasses import dataclass
 from typing import Annotated
@@ -39,6 +41,58 @@ DEMO_OVERRIDES = [
 # The bundled corpus's train files, every 50th document held out: the same 2% of documents as its
 # raw validation split (~50k tokens, enough for the eval's 10 global batches).
 DEMO_VALIDATION_EVERY = 50
+
+
+# In-loop evaluation while the demo trains: two held-out sets cut from the corpus's validation
+# split by genre (the plays, the Python documentation: their first 2 batches of 4 x 257 tokens)
+# and a fixed subset of 20 questions of the bundled line_closing task (of 300; it fits any
+# seq_len, next_sentence needs 256), before the first step and every 50 steps: 3 points per curve
+# in 100 steps. Sized to cost <= 3% of the run's wall time (bench/inloop_eval.py: each evaluation
+# is about one training step per rank; the full sets cost ~20 steps each, 6 times).
+DEMO_EVALUATORS = ["lc=task:line_closing?examples=20"]
+DEMO_EVALUATOR_SETTINGS = [
+    "--evaluators.freq",
+    "50",
+    "--evaluators.at_start",
+    "--evaluators.batches",
+    "2",
+    "--evaluators.batch_size",
+    "4",
+]
+_SPEAKER = re.compile(r"^[A-Z][A-Z' ]+\.$", re.MULTILINE)  # "LEONATO." heads a line of a play
+
+
+def demo_heldout_sets(root: str) -> list[str]:
+    """Write the corpus's validation documents as two held-out sets by genre into
+    ``<root>/heldout/`` (``plays.jsonl``: documents with a speaker's line; ``python.jsonl``:
+    the rest, the Python reference and docstrings) and return their ``evaluators.sets``
+    entries, the bundled task's after them. Deterministic: a rerun writes the same files."""
+    from titan_core import storage
+    from titan_core.data.assets import bundled_corpus_dir, ensure_assets
+    from titan_core.pipeline.run.paths import absolute
+
+    ensure_assets()
+    docs: list[str] = []
+    for path in sorted((bundled_corpus_dir() / "validation").glob("*.jsonl")):
+        docs += [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    genres = {
+        "plays": [d for d in docs if _SPEAKER.search(d)],
+        "python": [d for d in docs if not _SPEAKER.search(d)],
+    }
+    entries = []
+    for name, texts in genres.items():
+        url = storage.join(absolute(root), "heldout", f"{name}.jsonl")
+        storage.write_text(url, "".join(json.dumps({"text": t}) + "\n" for t in texts))
+        entries.append(f"{name}=heldout:{url}")
+    return [*entries, *DEMO_EVALUATORS]
+
+
+def with_demo_evaluators(overrides: list[str], root: str) -> list[str]:
+    """``overrides`` with the demo's evaluators (``demo_heldout_sets`` into ``root``) before
+    them, unless they set ``evaluators.sets`` themselves."""
+    if any(arg.split("=", 1)[0] == "--evaluators.sets" for arg in overrides):
+        return overrides
+    return ["--evaluators.sets", *demo_heldout_sets(root), *DEMO_EVALUATOR_SETTINGS, *overrides]
 
 
 def demo_data_overrides() -> list[str]:
@@ -83,8 +137,9 @@ def _demo(ns: DemoOptions, overrides: list[str]) -> int:
     overrides = [*DEMO_OVERRIDES, *overrides]
     if ns.steps:
         overrides += ["--training.steps", str(ns.steps)]
-    values = cli_values(overrides)
-    cfg = resolve_job(DEMO_RECIPE, "", values)  # a bad override is one line; nothing written yet
+    cfg = resolve_job(DEMO_RECIPE, "", cli_values(overrides))  # a bad one is one line, first
+    values = cli_values(with_demo_evaluators(overrides, cfg.job.dump_folder))
+    cfg = resolve_job(DEMO_RECIPE, "", values)
     home = prepare_prefect_env()  # before anything imports Prefect: it reads settings once
     from titan_core.pipeline.run.paths import absolute
     from titan_core.pipeline.stages.model_line import latest_checkpoint
@@ -136,10 +191,10 @@ def _engine_demo(steps: int, rest: list[str]) -> int:
     from titan_core.resolve import parse_args
     from titan_core.train import run
 
-    argv = ["--module", "llama3", "--config", "llama3_debugmodel", *rest]
-    if steps:
-        argv += ["--training.steps", str(steps)]
-    cfg = parse_args(argv)
+    recipe = ["--module", "llama3", "--config", "llama3_debugmodel"]
+    rest = [*rest, "--training.steps", str(steps)] if steps else rest
+    cfg = parse_args([*recipe, *rest])  # a bad override is one line before anything is written
+    cfg = parse_args([*recipe, *with_demo_evaluators(rest, cfg.job.dump_folder)])
     folder = storage.resolve(cfg.job.dump_folder, cfg.checkpoint.folder)
     done = complete_steps(folder)
     if done and done[-1] >= cfg.training.steps:

@@ -123,10 +123,11 @@ def where_to_look(result: dict[str, Any], prefect_home: str) -> str:
         )
     if result.get("model_version"):
         role = "champion" if result.get("champion") else "not champion"
-        lines.append(
-            f"  model {result['model_name']} v{result['model_version']} ({role}); "
-            f"eval loss {result['metrics'].get('eval/loss', float('nan')):.4f}"
-        )
+        gate = result.get("champion_metric") or "eval/loss"
+        shown = f"eval loss {result['metrics'].get('eval/loss', float('nan')):.4f}"
+        if gate != "eval/loss":  # the number the champion rule compared, too
+            shown += f", {gate} {result['metrics'].get(gate, float('nan')):.4f}"
+        lines.append(f"  model {result['model_name']} v{result['model_version']} ({role}); {shown}")
     if result.get("drill"):
         lines.append("  drill (debug.drill): no model version registered, no alias moved")
     if result.get("health_summary"):  # the step guard's incidents, one line each

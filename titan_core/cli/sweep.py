@@ -51,7 +51,7 @@ class SweepOptions:
     concurrency: int = 2
     """trials at the same time"""
     metric: str = "eval/loss"
-    """picks the best trial (lowest)"""
+    """picks the best trial (lowest; highest for an accuracy, eval/NAME/acc*)"""
     deployment: Annotated[str, default("none: trials run in this process")] = ""
     """run trials as runs of this pretrain_pipeline deployment"""
     early_stop: bool = False
@@ -64,10 +64,12 @@ class SweepOptions:
     """logged losses averaged per trial"""
     early_stop_margin: float = 0.0
     """stop only when worse than the median by this fraction"""
+    early_stop_metric: str = "train/loss"
+    """what early stopping compares: train/loss or an in-loop eval/NAME/METRIC"""
 
 
 COMMAND = Command("titan sweep", SweepOptions, __doc__ or "", renamed=RENAMED_FLAGS)
-EARLY_STOP_SETTINGS = ("min_steps", "min_trials", "window", "margin")
+EARLY_STOP_SETTINGS = ("min_steps", "min_trials", "window", "margin", "metric")
 
 
 def early_stop_arg(parsed: Parsed[SweepOptions]) -> dict[str, Any] | None:

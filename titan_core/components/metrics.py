@@ -79,8 +79,8 @@ class ConsoleSink:
 
 def _moe_text(metrics: dict[str, float]) -> str:
     """The MoE part of the console line: aux loss and the worst layer's max load (all the
-    per-layer figures go to the other sinks)."""
-    parts = []
+    per-layer figures go to the other sinks), and the multi-token prediction loss."""
+    parts = [f"mtp: {metrics['mtp/loss']:.4f}"] if "mtp/loss" in metrics else []
     if "moe/aux_loss" in metrics:
         parts.append(f"aux: {metrics['moe/aux_loss']:.4f}")
     if "moe/load_max" in metrics:
@@ -266,6 +266,11 @@ class MetricsProcessor:
     def add_data_time(self, seconds: float) -> None:
         """Account time spent waiting for the dataloader."""
         self._data_s += seconds
+
+    def exclude_time(self, seconds: float) -> None:
+        """Leave ``seconds`` spent outside training (in-loop evaluation) out of the window's
+        rates: tps, MFU and step time count training only."""
+        self._t0 += seconds
 
     def add_step(self, num_tokens: float) -> None:
         """Account one finished optimizer step of ``num_tokens`` tokens on this rank."""

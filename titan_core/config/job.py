@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from titan_core.config.metrics import check_metric
 from titan_core.errors import ConfigError
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
@@ -92,6 +93,12 @@ class Model:
     moe_load_balance_bias: Literal["flavor", "on", "off"] = "flavor"
     """Mixture-of-experts families: DeepSeek-V3's loss-free balancing bias; flavor keeps the
     flavor's setting."""
+    mtp_layers: int = -1
+    """Multi-token prediction families (DeepSeek-V3): override the flavor's MTP depth (0 turns
+    it off); -1 keeps the flavor's."""
+    mtp_loss_weight: F32 = -1.0
+    """Multi-token prediction families: weight of the mean MTP loss in the gradient (DeepSeek-V3
+    0.3, later 0.1; 0 computes it for the metric only); -1 keeps the flavor's."""
 
     def __post_init__(self) -> None:
         _require(
@@ -102,6 +109,13 @@ class Model:
         )
         _require(
             self.n_layers == -1 or self.n_layers > 0, "model.n_layers", "-1 or > 0", self.n_layers
+        )
+        _require(self.mtp_layers >= -1, "model.mtp_layers", "-1 or an int >= 0", self.mtp_layers)
+        _require(
+            self.mtp_loss_weight == -1 or self.mtp_loss_weight >= 0,
+            "model.mtp_loss_weight",
+            "-1 or >= 0",
+            self.mtp_loss_weight,
         )
         for key in ("moe_num_experts", "moe_top_k"):
             value = getattr(self, key)
@@ -736,6 +750,104 @@ class Validation:
         _require(self.steps > 0, "validation.steps", "an int > 0", self.steps)
 
 
+EVALUATOR_KINDS = ("heldout", "task")
+# Options each kind takes after ``?`` (KEY=VALUE&...), and whether each is an int.
+EVALUATOR_OPTIONS: dict[str, dict[str, bool]] = {
+    "heldout": {"split": False, "batches": True},
+    "task": {"num_shots": True, "seed": True, "shots": False, "format": False, "examples": True},
+}
+_EVALUATOR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_OPTIONS = re.compile(r"[a-z_]+=[^&=]*(&[a-z_]+=[^&=]*)*")
+
+
+@dataclass(frozen=True)
+class EvaluatorEntry:
+    """One ``evaluators.sets`` entry, ``NAME=KIND:SOURCE[?KEY=VALUE&...]``, parsed (not read)."""
+
+    name: str
+    kind: Literal["heldout", "task"]
+    source: str
+    options: dict[str, str | int]
+
+    def option(self, key: str, default: str | int) -> str | int:
+        """The option ``key`` when the entry gives it, else ``default``."""
+        return self.options.get(key, default)
+
+    def text(self) -> str:
+        """The entry as written in ``evaluators.sets``."""
+        options = "&".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.name}={self.kind}:{self.source}" + (f"?{options}" if options else "")
+
+
+def parse_evaluators(entries: list[str], key: str = "evaluators.sets") -> list[EvaluatorEntry]:
+    """``NAME=KIND:SOURCE[?KEY=VALUE&...]`` entries, checked for form only (names unique, kinds
+    and options known); what a source holds is checked before training starts
+    (``titan_core.components.evaluators.check_evaluators``)."""
+    form = "NAME=KIND:SOURCE[?KEY=VALUE&...] with KIND heldout or task"
+    out: list[EvaluatorEntry] = []
+    for entry in entries:
+        name, _, rest = str(entry).partition("=")
+        kind, _, source = rest.partition(":")
+        _require(bool(_EVALUATOR_NAME.fullmatch(name)), key,
+                 f"{form}, NAME of letters, digits, '.', '_' or '-'", entry)  # fmt: skip
+        _require(kind in EVALUATOR_KINDS and bool(source), key, form, entry)
+        head, sep, tail = source.rpartition("?")
+        options: dict[str, str | int] = {}
+        if sep and _OPTIONS.fullmatch(tail):  # else the "?" belongs to the source
+            source = head
+            known = EVALUATOR_OPTIONS[kind]
+            for pair in tail.split("&"):
+                opt, _, value = pair.partition("=")
+                _require(opt in known, key,
+                         f"{kind} options among {', '.join(known)}", entry)  # fmt: skip
+                is_int = value.lstrip("-").isdigit()
+                _require(is_int or not known[opt], key, f"{opt}=<an int>", entry)
+                options[opt] = int(value) if known[opt] else value
+        _require(bool(source), key, form, entry)
+        for opt, least in (("batches", 1), ("num_shots", 0), ("examples", 1)):
+            _require(int(options.get(opt, least)) >= least, key,
+                     f"{opt} >= {least}", entry)  # fmt: skip
+        out.append(EvaluatorEntry(name, kind, source, options))  # type: ignore[arg-type]
+    names = [e.name for e in out]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    _require(not dupes, key, "each evaluator name once", dupes)
+    return out
+
+
+@dataclass(kw_only=True)
+class Evaluators:
+    """In-loop evaluation: named held-out sets and downstream tasks, scored while training
+    (docs/evaluation.md#in-loop-evaluation)."""
+
+    sets: list[str] = field(default_factory=list)
+    """Named evaluators, NAME=KIND:SOURCE[?KEY=VALUE&...]. heldout: loss, perplexity and bits
+    per byte of a prepared dataset's validation split, a registered dataset or a .txt/.jsonl
+    file or folder at any URL (options split, batches). task: accuracies and bits per byte of
+    a bundled task (next_sentence, line_closing) or a task file URL (options num_shots, seed,
+    shots, format, examples: a fixed subset of N examples drawn with seed). Logged as
+    eval/NAME/METRIC; empty runs none."""
+    freq: int = 100
+    """Evaluate every N steps (and always at the last step)."""
+    at_start: bool = False
+    """Also evaluate before the first step of a run that starts at step 0 (logged at step 0)."""
+    batch_size: int = -1
+    """Sequences per forward on each data-parallel rank; -1 uses training.local_batch_size."""
+    batches: int = 20
+    """Held-out sets: batches scored, the split's first N over all ranks (a set's own
+    ?batches=N wins)."""
+
+    def __post_init__(self) -> None:
+        parse_evaluators(self.sets)
+        _require(self.freq > 0, "evaluators.freq", "an int > 0", self.freq)
+        _require(
+            self.batch_size == -1 or self.batch_size > 0,
+            "evaluators.batch_size",
+            "-1 or an int > 0",
+            self.batch_size,
+        )
+        _require(self.batches > 0, "evaluators.batches", "an int > 0", self.batches)
+
+
 DEFAULT_PROMPTS = ["The Python language", "To be, or not to be,", "A list comprehension"]
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -1015,6 +1127,10 @@ class Tracking:
     server's default for an http URI)."""
     registered_model: str = ""
     """Registry name of the Hugging Face export; empty uses job.experiment."""
+    champion_metric: str = "eval/loss"
+    """Metric that moves the registry's champion alias when a new version beats the champion's:
+    train/loss, eval/loss, eval/perplexity, eval/bits_per_byte or eval/NAME/METRIC of an
+    evaluator (accuracies: higher wins; the rest: lower)."""
 
 
 @dataclass(kw_only=True)
@@ -1059,6 +1175,8 @@ class JobConfig:
     """Replica groups that outlive each other's failures (torchft)."""
     validation: Validation = field(default_factory=Validation)
     """Validation loss."""
+    evaluators: Evaluators = field(default_factory=Evaluators)
+    """In-loop evaluation on named held-out sets and downstream tasks."""
     evaluate: Evaluate = field(default_factory=Evaluate)
     """Evaluation of checkpoints."""
     convert: Convert = field(default_factory=Convert)
@@ -1098,3 +1216,5 @@ class JobConfig:
             "dataloader.document_masking on as well",
             self.training.document_positions,
         )
+        evaluators = {e.name: e.kind for e in parse_evaluators(self.evaluators.sets)}
+        check_metric(self.tracking.champion_metric, "tracking.champion_metric", evaluators)

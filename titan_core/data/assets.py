@@ -1,7 +1,9 @@
-"""Bundled offline assets: an English corpus assembled from local sources, and its BPE tokenizer.
+"""Bundled offline assets: an English corpus assembled from local sources, its BPE tokenizer,
+and multiple-choice tasks built from its validation documents (``bundled_tasks``).
 
 Run ``python -m titan_core.data.assets [--dir D] [--force]``. The build is idempotent (a DONE
-marker), atomic (built in a temp folder, then renamed) and takes seconds.
+marker), atomic (built in a temp folder, then renamed) and takes seconds. The tasks have their
+own marker (``choice_tasks/DONE``): assets built before them gain them without a corpus rebuild.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from titan_core import storage
+from titan_core.data.bundled_tasks import TASKS_VERSION, build_bundled_tasks
 from titan_core.data.tokenizer import Tokenizer, train_bpe
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,7 @@ VALIDATION_FRACTION = 0.02
 NUM_TRAIN_SHARDS = 8
 TOKENIZER_VOCAB_SIZE = 2048
 TOKENIZER_FILE = "tokenizer/titan_bpe.tiktoken"
+TASKS_FOLDER = "choice_tasks"  # multiple-choice tasks (titan_core.data.bundled_tasks)
 DOC_TARGET_CHARS = 1500  # close a paragraph group once it reaches this size
 DOC_MIN_CHARS = 200  # shorter tails are folded into the previous group
 _SKIP_STDLIB_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
@@ -63,6 +67,11 @@ def default_tokenizer_path() -> Path:
 def bundled_corpus_dir() -> Path:
     """The bundled corpus root holding train/ and validation/ jsonl shards."""
     return assets_dir() / "corpus"
+
+
+def bundled_tasks_dir() -> Path:
+    """The bundled multiple-choice tasks: ``<task>/test.jsonl`` and ``<task>/shots.jsonl``."""
+    return assets_dir() / TASKS_FOLDER
 
 
 def paragraph_groups(text: str) -> list[str]:
@@ -280,13 +289,55 @@ def _build_lock(root: Path) -> AbstractContextManager[None]:
     return storage.folder_lock(str(root.parent))
 
 
+def _tasks_complete(root: Path) -> bool:
+    try:
+        return (
+            json.loads((root / TASKS_FOLDER / "DONE").read_text())["tasks_version"] == TASKS_VERSION
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _swap_in(tmp: Path, target: Path) -> None:
+    """Replace ``target`` (if any) by the finished ``tmp`` folder with a rename."""
+    if target.exists():  # forced or incomplete: move aside first so the swap is a rename
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        target.rename(old)
+        shutil.rmtree(old)
+    tmp.rename(target)
+
+
+def ensure_tasks(root: Path) -> None:
+    """Build ``root/tasks`` from the validation split of ``root/corpus`` unless complete."""
+    if _tasks_complete(root):
+        return
+    with _build_lock(root):
+        if _tasks_complete(root):
+            return
+        tmp = root / f".{TASKS_FOLDER}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            docs = list(_read_split(root / "corpus", "validation"))
+            manifest = {"tasks_version": TASKS_VERSION, "by_task": build_bundled_tasks(docs, tmp)}
+            storage.write_text(str(tmp / "manifest.json"), json.dumps(manifest, indent=2) + "\n")
+            storage.write_text(
+                str(tmp / "DONE"), json.dumps({"tasks_version": TASKS_VERSION}) + "\n"
+            )
+            _swap_in(tmp, root / TASKS_FOLDER)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("Built the bundled tasks in %s", root / TASKS_FOLDER)
+
+
 def ensure_assets(dir: Path | None = None, force: bool = False) -> Path:
-    """Build the corpus and tokenizer under dir (default assets_dir()) unless already complete."""
+    """Build the corpus, tokenizer and tasks under dir (default assets_dir()) unless already
+    complete."""
     root = Path(dir if dir is not None else assets_dir()).expanduser().resolve()
     if not force and _is_complete(root):
+        ensure_tasks(root)
         return root
     with _build_lock(root):
         if not force and _is_complete(root):
+            ensure_tasks(root)
             return root
         tmp = root.parent / f".{root.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
@@ -294,19 +345,16 @@ def ensure_assets(dir: Path | None = None, force: bool = False) -> Path:
             storage.write_text(
                 str(tmp / "DONE"), json.dumps({"build_version": BUILD_VERSION}) + "\n"
             )
-            if root.exists():  # forced or incomplete: move aside first so the swap is a rename
-                old = root.parent / f".{root.name}.old-{uuid.uuid4().hex[:8]}"
-                root.rename(old)
-                shutil.rmtree(old)
-            tmp.rename(root)
+            _swap_in(tmp, root)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     logger.info("Built assets in %s (%ss)", root, manifest["build_seconds"])
+    ensure_tasks(root)
     return root
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI: build the bundled corpus and tokenizer."""
+    """CLI: build the bundled corpus, tokenizer and tasks."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--dir", type=Path, default=None, help=f"target folder (default: {assets_dir()})"
@@ -322,6 +370,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{val['docs']} docs; tokenizer {manifest['tokenizer']['n_words']} words; "
         f"built in {manifest['build_seconds']}s"
     )
+    tasks = json.loads((root / TASKS_FOLDER / "manifest.json").read_text())["by_task"]
+    sizes = ", ".join(f"{name} {t['test']['examples']}" for name, t in tasks.items())
+    print(f"{root / TASKS_FOLDER}: {sizes} test examples")
 
 
 if __name__ == "__main__":

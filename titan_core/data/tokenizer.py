@@ -117,6 +117,15 @@ class Tokenizer:
         """Text of ids (invalid UTF-8 from partial tokens becomes U+FFFD)."""
         return self.model.decode(list(ids))
 
+    def token_byte_counts(self) -> list[int]:
+        """UTF-8 bytes each token id stands for (bits per byte divides by them); special
+        tokens count 0."""
+        specials = set(self.special_tokens.values())
+        return [
+            0 if i in specials else len(self.model.decode_single_token_bytes(i))
+            for i in range(self.n_words)
+        ]
+
     def __repr__(self) -> str:
         return f"Tokenizer(path={self.path!r}, n_words={self.n_words})"
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from titan_core import storage
 from titan_core.build import build_model_args
+from titan_core.components.evaluators import Evaluation, build_evaluators, load_evaluations
 from titan_core.components.validate import validation_data, validation_dataloader
 from titan_core.config.dtypes import autocast_dtype
 from titan_core.config.job import JobConfig
@@ -54,14 +55,7 @@ Batch = tuple[torch.Tensor, ...]  # (inputs, labels), plus doc_ids under documen
 
 def token_byte_lengths(tokenizer: Tokenizer) -> torch.Tensor:
     """UTF-8 bytes each token id stands for, (n_words,) int64; special tokens count 0."""
-    specials = set(tokenizer.special_tokens.values())
-    return torch.tensor(
-        [
-            0 if i in specials else len(tokenizer.model.decode_single_token_bytes(i))
-            for i in range(tokenizer.n_words)
-        ],
-        dtype=torch.int64,
-    )
+    return torch.tensor(tokenizer.token_byte_counts(), dtype=torch.int64)
 
 
 def count_text_bytes(labels: torch.Tensor, byte_lengths: torch.Tensor) -> int:
@@ -164,6 +158,7 @@ class _Inputs:
     tokenizer: Tokenizer
     loader: Iterable[Batch]
     lm_eval: LmEvalOptions | None
+    evaluations: list[Evaluation]
 
 
 def lm_eval_options(cfg: JobConfig, hf_folder: str = "") -> LmEvalOptions | None:
@@ -196,6 +191,7 @@ def _check_inputs(
     lm_eval = lm_eval_options(cfg, hf_folder)
     tokenizer = Tokenizer(cfg.tokenizer.path or str(default_tokenizer_path()))
     loader = validation_loader(cfg, tokenizer)  # fails here when the split is missing or empty
+    evaluations = load_evaluations(cfg, tokenizer)  # [evaluators], as the trainer reads them
     max_seq_len = build_model_args(cfg, tokenizer.n_words).max_seq_len
     for prompt in cfg.evaluate.prompts:
         num = len(tokenizer.encode(prompt, bos=True, eos=False))
@@ -207,14 +203,34 @@ def _check_inputs(
     if lm_eval is not None:
         lm_eval = replace(lm_eval, hf_folder=lm_eval.hf_folder or storage.join(ckpt.run_root, "hf"))
         check_inputs(lm_eval.hf_folder, lm_eval.task_dir, lm_eval.tasks)
-    return _Inputs(ckpt, cfg, tokenizer, loader, lm_eval)
+    return _Inputs(ckpt, cfg, tokenizer, loader, lm_eval, evaluations)
+
+
+def run_evaluators(
+    model: nn.Module, inputs: _Inputs, device: torch.device, dtype: torch.dtype | None
+) -> dict[str, float]:
+    """The config's ``[evaluators]`` on the loaded checkpoint, as the trainer scores them in the
+    loop (the same data, batching and numerics): ``eval/<name>/<metric>``, and
+    ``eval/<name>/seconds``. Collective under torchrun."""
+    if not inputs.evaluations:
+        return {}
+    evaluators = build_evaluators(
+        inputs.cfg,
+        inputs.tokenizer,
+        device=device,
+        forward_context=lambda: autocast_context(device, dtype),
+        evaluations=inputs.evaluations,
+    )
+    scores = evaluators.run(model, inputs.ckpt.step)
+    model.eval()  # ``run`` hands the model back in train mode, as training wants it
+    return scores
 
 
 def _score_and_sample(
     inputs: _Inputs, device: torch.device, world_size: int
-) -> tuple[Any, EvalMetrics, list[Sample], dict[str, float]]:
-    """Build and load the model, score the validation split and generate: (model args,
-    metrics, samples, timing). Collective under torchrun."""
+) -> tuple[Any, EvalMetrics, list[Sample], dict[str, float], dict[str, float]]:
+    """Build and load the model, score the validation split and the evaluators, and generate:
+    (model args, metrics, samples, timing, evaluators' metrics). Collective under torchrun."""
     cfg, tokenizer = inputs.cfg, inputs.tokenizer
     start = time.perf_counter()
     model, args = build_model(cfg, tokenizer.n_words, device, world_size)
@@ -247,6 +263,10 @@ def _score_and_sample(
         )
     timing |= {"eval_s": metrics.eval_seconds, "tokens_per_s": metrics.tokens_per_second}
     start = time.perf_counter()
+    scores = run_evaluators(model, inputs, device, dtype)
+    if scores:
+        timing["evaluators_s"] = time.perf_counter() - start
+    start = time.perf_counter()
     samples = generate_samples(
         model,
         tokenizer,
@@ -257,7 +277,7 @@ def _score_and_sample(
         autocast_dtype=dtype,
     )
     timing["generate_s"] = time.perf_counter() - start
-    return args, metrics, samples, timing
+    return args, metrics, samples, timing, scores
 
 
 def evaluate_checkpoint(
@@ -287,7 +307,9 @@ def evaluate_checkpoint(
     storage.check_writable(output or inputs.ckpt.run_root, where)
     info = init_distributed(cfg.comm.init_timeout_seconds, 0, "")
     try:
-        args, metrics, samples, timing = _score_and_sample(inputs, info.device, info.world_size)
+        args, metrics, samples, timing, scores = _score_and_sample(
+            inputs, info.device, info.world_size
+        )
     finally:
         if owns_group:
             destroy_process_group()
@@ -323,6 +345,7 @@ def evaluate_checkpoint(
         timing=timing,
         settings=settings,
         lm_eval=lm_results,
+        evaluators=scores,
     )
     if info.is_rank0:
         json_path, _ = write_report(output or inputs.ckpt.run_root, report)

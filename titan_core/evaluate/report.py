@@ -53,8 +53,10 @@ def build_report(
     timing: dict[str, float],
     settings: dict[str, Any],
     lm_eval: dict[str, Any] | None = None,
+    evaluators: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The report as plain JSON-able data (see docs/evaluation.md for the layout)."""
+    """The report as plain JSON-able data (see docs/evaluation.md for the layout);
+    ``evaluators``: the ``[evaluators]``' ``eval/<name>/<metric>``, as training logs them."""
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -73,6 +75,8 @@ def build_report(
         "timing": timing,
         "config": {"job_description": cfg.job.description, **settings},
     }
+    if evaluators:
+        report["evaluators"] = dict(evaluators)
     if lm_eval is not None:
         report["lm_eval"] = lm_eval
     return report
@@ -121,6 +125,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         *_table(list(report["timing"].items()), ("timing", "value")),
     ]
+    if report.get("evaluators"):
+        rows = [(name, value) for name, value in report["evaluators"].items()]
+        out += ["", "## Evaluators", "", *_table(rows, ("metric", "value"))]
     if report["samples"]:
         out += ["", f"## Greedy samples (up to {c['max_new_tokens']} new tokens)"]
         for s in report["samples"]:

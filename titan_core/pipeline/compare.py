@@ -53,6 +53,10 @@ RECORD_SECTIONS = ("tracking", "storage")
 trains: a sweep's trials and a plain run differ there by construction (the sweep registers into
 a model of its own and turns progress bars off)."""
 PLOT_NAME = "loss_curves.png"
+# An evaluator's number (``[evaluators]``: in the loop, then the evaluate stage); not its timing.
+EVALUATOR_KEY = re.compile(r"eval/[^/]+/(?!seconds$)[^/]+")
+EVALUATOR_METRIC_ORDER = ("loss", "perplexity", "acc", "acc_per_token", "acc_per_char")
+EVALUATOR_METRIC_ORDER += ("bits_per_byte",)
 
 
 @dataclass
@@ -70,6 +74,8 @@ class RunSummary:
     steps: int | None = None
     params: dict[str, str] = field(default_factory=dict)
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    evals: dict[str, float] = field(default_factory=dict)
+    """The evaluators' final numbers, ``eval/<name>/<metric>`` (their timings aside)."""
 
     def row(self) -> dict[str, Any]:
         """The table row (no params, no curve)."""
@@ -83,6 +89,7 @@ class RunSummary:
             "eval_perplexity": self.eval_perplexity,
             "tokens_per_s": self.tokens_per_s,
             "mfu_pct": self.mfu_pct,
+            "evals": dict(self.evals),
         }
 
 
@@ -184,7 +191,19 @@ def summarize_run(client: Any, run: Any) -> RunSummary:
     for attr, key in (("eval_loss", EVAL_LOSS_KEY), ("eval_perplexity", PERPLEXITY_KEY)):
         found = [owner.data.metrics[key] for owner in owners if key in owner.data.metrics]
         setattr(summary, attr, found[0] if found else None)
+    for owner in reversed(owners):  # the run's own (published) values win over a stage's
+        summary.evals.update(
+            (k, v) for k, v in owner.data.metrics.items() if EVALUATOR_KEY.fullmatch(k)
+        )
+    summary.evals = dict(sorted(summary.evals.items(), key=lambda kv: evaluator_order(kv[0])))
     return summary
+
+
+def evaluator_order(key: str) -> tuple[str, int, str]:
+    """Sort key of ``eval/<name>/<metric>``: by evaluator, then its metrics as docs list them."""
+    _, name, metric = key.split("/")
+    known = EVALUATOR_METRIC_ORDER
+    return name, known.index(metric) if metric in known else len(known), metric
 
 
 def differing_params(runs: list[RunSummary]) -> dict[str, dict[str, str | None]]:

@@ -29,6 +29,10 @@ STATISTICS_NOTE = (
     "`eval/loss` unless told otherwise). Tokens/s and MFU: the median over the logged steps, "
     "the first (warm-up) left out. A sweep is shown as its trials; (best) marks its choice."
 )
+EVALUATORS_NOTE = (
+    "`eval/<name>/<metric>`: the run's `[evaluators]` on its final checkpoint (accuracies: "
+    "higher is better; loss, perplexity, bits per byte: lower)."
+)
 MARKDOWN_WIDTH = 80
 """Characters one markdown table may span: the Prefect UI's artifact pane is 725 px wide in a
 1280 px window (875 px in a 1440 px one), a bold heading character about 8 px."""
@@ -94,6 +98,12 @@ def fitted_tables(
     return lines
 
 
+def evaluator_keys(runs: list[dict[str, Any]]) -> list[str]:
+    """The ``eval/<name>/<metric>`` numbers any of ``runs`` has, in the first run's order
+    (``compare.evaluator_order``), then the others'."""
+    return list(dict.fromkeys(key for run in runs for key in run.get("evals", {})))
+
+
 def _value_cell(value: str | None) -> str:
     return fmt(None if value is None else collapse(value)).replace("|", "\\|")
 
@@ -115,8 +125,10 @@ def render_markdown(
         lines += [f"The trials of `{group}`.", ""]
     cells = [run | {"run_id": f"`{run['run_id'][:8]}`"} for run in runs]
     numbers = [(COLUMNS[key], [fmt(row[key]) for row in cells]) for key in list(COLUMNS)[1:]]
+    evals = evaluator_keys(runs)
+    numbers += [(f"`{key}`", [fmt(row.get("evals", {}).get(key)) for row in runs]) for key in evals]
     lines += fitted_tables(COLUMNS["run"], heads, numbers, right=True)
-    lines += ["", STATISTICS_NOTE]
+    lines += ["", STATISTICS_NOTE] + ([EVALUATORS_NOTE] if evals else [])
     lines += ["", "## Config keys that differ", ""]
     if diff:
         keys = [

@@ -1,5 +1,6 @@
-"""The pipeline's evaluate stage without an orchestrator: a checkpoint's held-out metrics, its
-report files in the run root and on the stage's MLflow run."""
+"""The pipeline's evaluate stage without an orchestrator: a checkpoint's held-out metrics and its
+``[evaluators]``' (``eval/<name>/<metric>``, as training logs them in the loop), its report
+files in the run root and on the stage's MLflow run."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class Evaluation:
     checkpoint: str
     """The evaluated checkpoint (its step directory)."""
     metrics: dict[str, float]
-    """``EVAL_METRICS``: held-out loss, perplexity, bits per byte, tokens evaluated."""
+    """``EVAL_METRICS``: held-out loss, perplexity, bits per byte, tokens evaluated; then each
+    evaluator's ``<name>/<metric>`` (logged as ``eval/<name>/<metric>``)."""
 
 
 def report_markdown(evaluation: Evaluation) -> str:
@@ -82,6 +84,7 @@ def evaluate_stage(
             checkpoint_url, config=job, values=overrides, output=output or None
         )
         metrics = {k: report["metrics"][k] for k in EVAL_METRICS}
+        metrics |= {k.removeprefix("eval/"): v for k, v in report.get("evaluators", {}).items()}
         log_metrics(tracking, run_id, {f"eval/{k}": v for k, v in metrics.items()})
         report_dir = storage.join(output or checkpoint_run_root(checkpoint_url), EVAL_DIR)
         log_report(tracking, run_id, report_dir)

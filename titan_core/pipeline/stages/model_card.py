@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from titan_core import storage
 from titan_core.config.job import JobConfig
+from titan_core.config.metrics import direction
 from titan_core.pipeline.run.common import load_config, redact
 from titan_core.pipeline.run.report import markdown_table
 from titan_core.pipeline.stages.evaluation import Evaluation
@@ -82,6 +83,27 @@ def _eval_rows(facts: ExportFacts) -> list[tuple[str, str]]:
     return [(label, _fmt(m[key])) for key, label in names.items() if key in m]
 
 
+def evaluator_lines(facts: ExportFacts) -> list[str]:
+    """The ``[evaluators]``' numbers on the final checkpoint (``eval/<name>/<metric>``, their
+    timings aside), a row each with the way it improves; none without evaluators."""
+    rows = [
+        [f"`eval/{key}`", _fmt(value), direction(key)]
+        for key, value in facts.eval_metrics.items()
+        if "/" in key and not key.endswith("/seconds")
+    ]
+    if not rows:
+        return []
+    return [
+        "## Evaluators",
+        "",
+        "Held-out sets and downstream tasks of the run's `[evaluators]`, scored on the final "
+        "checkpoint as training scored them in the loop (docs/evaluation.md).",
+        "",
+        *markdown_table(["metric", "value", "better"], rows, right={1}),
+        "",
+    ]
+
+
 def precision_note(facts: ExportFacts) -> str:
     """One paragraph saying which weights the eval numbers belong to."""
     same = facts.export_dtype == facts.checkpoint_dtype == facts.eval_compute_dtype
@@ -138,6 +160,7 @@ def model_card(facts: ExportFacts) -> str:
         "",
         *markdown_table(2, [*facts_rows, *_eval_rows(facts)]),  # no header: facts by name
         "",
+        *evaluator_lines(facts),
         "## Precision",
         "",
         precision_note(facts),

@@ -4,8 +4,9 @@ a version of the registered model, and the run gets its summary.
 The model card (``README.md``: recipe, data, steps, tokens, eval numbers, which precision they
 belong to, how to load it) is written into the export, which becomes a new version of the
 registered model (source: the export's storage URL; a description; the eval loss as a rounded
-tag). The alias ``champion`` moves to it only when its eval loss (the exact ``eval/loss`` of its
-run) beats the current champion's. A fault drill (``debug.drill``) registers no version and moves
+tag). The alias ``champion`` moves to it only when its ``tracking.champion_metric`` (default the
+exact ``eval/loss`` of its run; higher or lower wins as ``titan_core.config.metrics`` says)
+beats the current champion's. A fault drill (``debug.drill``) registers no version and moves
 no alias: its summary says it was a drill. The parent MLflow run gets the final ``train/*`` and
 ``eval/*`` metrics at the final step and the run's config and summary (which names the step
 guard's incidents) as artifacts. The ``publish`` task (``tasks/publish.py``) shows the summary and
@@ -15,12 +16,12 @@ the locations as Prefect artifacts.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 
 from titan_core import storage
+from titan_core.config.metrics import direction, is_better
 from titan_core.pipeline.run.common import redact
 from titan_core.pipeline.run.paths import absolute
 from titan_core.pipeline.run.report import format_metric, is_count, markdown_table
@@ -42,6 +43,7 @@ from titan_core.pipeline.stages.training import (
 
 CHAMPION = "champion"
 EVAL_LOSS_TAG = "eval_loss"  # rounded for people; the champion rule reads the run's eval/loss
+GATE_METRIC = "eval/loss"  # the champion rule's metric unless tracking.champion_metric says
 _TRAIN_KEYS = ("loss", "tps", "mfu_pct", "tflops", "grad_norm")
 
 
@@ -69,8 +71,11 @@ class Publication:
     """The new version of it; "" when untracked."""
     champion: bool = False
     """Whether the ``champion`` alias moved to the new version."""
-    previous_champion_loss: float | None = None
-    """The eval loss of the champion before this run (None: there was none)."""
+    champion_metric: str = GATE_METRIC
+    """The metric the champion rule compared (``tracking.champion_metric``)."""
+    previous_champion_value: float | None = None
+    """The champion's ``champion_metric`` before this run (None: there was none, or its run
+    did not log the metric)."""
     drill: bool = False
     """A fault drill (``debug.drill``): no model version registered, no alias moved."""
     health_summary: str = ""
@@ -127,9 +132,10 @@ def registrable_source(tracking: TrackingContext, hf_url: str) -> str:
     return artifact_uri.rstrip("/") + "/hf"
 
 
-def champion_loss(tracking: TrackingContext, name: str) -> float | None:
-    """The current champion's eval loss, or None without a champion: the exact ``eval/loss`` of
-    the run it was registered from (the version's tag is rounded), else that tag."""
+def champion_value(tracking: TrackingContext, name: str, metric: str = GATE_METRIC) -> float | None:
+    """The current champion's ``metric``: the exact value its run logged (the eval loss tag is
+    rounded, and read only when the run is gone); None without a champion, or when its run
+    never logged ``metric`` (registered before the metric was gated on: nothing to beat)."""
     mlflow_client = client(tracking.uri)
     try:
         version = mlflow_client.get_model_version_by_alias(name, CHAMPION)
@@ -137,21 +143,22 @@ def champion_loss(tracking: TrackingContext, name: str) -> float | None:
         return None
     if version.run_id:
         try:
-            exact = mlflow_client.get_run(version.run_id).data.metrics.get("eval/loss")
-        except Exception:  # the run was deleted: the tag still says it
+            exact = mlflow_client.get_run(version.run_id).data.metrics.get(metric)
+        except Exception:  # the run was deleted: the tag still says its eval loss
             exact = None
         if exact is not None:
             return float(exact)
-    value = version.tags.get(EVAL_LOSS_TAG)
+    value = version.tags.get(EVAL_LOSS_TAG) if metric == GATE_METRIC else None
     return float(value) if value is not None else None
 
 
 def promote_if_better(
-    tracking: TrackingContext, name: str, version: str, eval_loss: float
+    tracking: TrackingContext, name: str, version: str, value: float, metric: str = GATE_METRIC
 ) -> tuple[bool, float | None]:
-    """Move ``champion`` to ``version`` if its eval loss is lower; returns (moved, old loss)."""
-    previous = champion_loss(tracking, name)
-    better = not math.isnan(eval_loss) and (previous is None or eval_loss < previous)
+    """Move ``champion`` to ``version`` if its ``metric`` (``value``) beats the champion's
+    (``is_better``: strictly, in the metric's direction); returns (moved, the old value)."""
+    previous = champion_value(tracking, name, metric)
+    better = is_better(metric, value, previous)
     if better:
         client(tracking.uri).set_registered_model_alias(name, CHAMPION, version)
     return better, previous
@@ -172,6 +179,7 @@ def summary_markdown(pub: Publication) -> str:
         f"- Hugging Face export: `{pub.hf}`",
         f"- model version: {DRILL_NOTE if pub.drill else version}"
         + (" (champion)" if pub.champion else ""),
+        f"- champion rule: the {direction(pub.champion_metric)} `{pub.champion_metric}` wins",
         *([f"- training health: {pub.health_summary}"] if pub.health_summary else []),
         "",
     ]
@@ -238,11 +246,13 @@ def publish_run(
     registered_model: str = "",
     recipe: str = "",
     drill: bool = False,
+    champion_metric: str = GATE_METRIC,
 ) -> Publication:
     """Write the export's model card; with ``tracking``, log the final metrics to the parent run,
     register the export as a version of ``registered_model`` (default: the experiment), move
-    ``champion`` if it improved and attach the summary. ``recipe`` is named in the card. A
-    ``drill`` (``debug.drill``) is summarised, never registered."""
+    ``champion`` if its ``champion_metric`` beats the champion's and attach the summary.
+    ``recipe`` is named in the card. A ``drill`` (``debug.drill``) is summarised, never
+    registered."""
     rows = stored_health_rows(run_root)
     metrics = {**final_train_metrics(run_root)}
     metrics |= {f"eval/{k}": float(v) for k, v in evaluation.metrics.items()}
@@ -260,11 +270,14 @@ def publish_run(
         drill=drill,
         health_summary=health_summary(health_counts(rows)) if rows else "",
         incidents=health_lines(rows),
+        champion_metric=champion_metric,
     )
     if tracking is None:
         return pub
     eval_loss = float(evaluation.metrics["loss"])
-    # Logged before the version: the champion rule reads the run's exact eval/loss.
+    if champion_metric not in metrics:  # the config check makes this an internal error
+        raise ValueError(f"tracking.champion_metric {champion_metric!r}: the run did not log it")
+    # Logged before the version: the champion rule reads the champion's run's exact metrics.
     log_metrics(tracking, tracking.parent_run_id, metrics, step=evaluation.step)
     if drill:  # a rehearsal, not a model: summarised in its run, never in the registry
         log_run_files(tracking, pub)
@@ -280,9 +293,10 @@ def publish_run(
         },
         description=redact(version_description(facts)),
     )
-    moved, previous = promote_if_better(tracking, name, version, eval_loss)
-    pub = replace(
-        pub, model_name=name, model_version=version, champion=moved, previous_champion_loss=previous
+    moved, previous = promote_if_better(
+        tracking, name, version, metrics[champion_metric], champion_metric
     )
+    pub = replace(pub, model_name=name, model_version=version, champion=moved)
+    pub = replace(pub, previous_champion_value=previous)
     log_run_files(tracking, pub)
     return pub

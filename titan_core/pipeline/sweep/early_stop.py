@@ -6,7 +6,9 @@ up to ``s`` with the same mean of every other trial that reached ``s`` (running,
 stopped); with at least ``min_trials`` of those, stop the trial when it is worse than their median
 by more than ``margin`` (relative). ``s`` is the trial's newest logged step, or the newest step
 that ``min_trials`` others reached when it is ahead of them (trials running side by side are
-judged as they go, the leader too). Pure functions: no orchestrator, no MLflow, no clock; the
+judged as they go, the leader too). The rule reads ``metric`` (default ``train/loss``; an
+in-loop evaluator's ``eval/<name>/<metric>`` too), lower or higher being better as
+``titan_core.config.metrics`` says. Pure functions: no orchestrator, no MLflow, no clock; the
 sweep's monitor (``sweep_monitor``) reads the curves and asks trials to stop.
 """
 
@@ -20,9 +22,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from titan_core.config.metrics import higher_is_better
 from titan_core.errors import ConfigError
 
-Curve = Sequence[tuple[int, float]]  # (step, training loss) at the logged steps, step ascending
+Curve = Sequence[tuple[int, float]]  # (step, value) at the logged steps, step ascending
 
 
 class EarlyStopping(BaseModel):
@@ -47,6 +50,9 @@ class EarlyStopping(BaseModel):
     """Logged losses averaged per trial (a running mean of the last few log steps)."""
     margin: float = Field(default=0.0, ge=0.0)
     """Stop only when worse than the median by more than this fraction of it (0.1 = 10%)."""
+    metric: str = "train/loss"
+    """What the rule compares: train/loss, or an in-loop evaluator's eval/NAME/METRIC (an
+    accuracy: higher is better)."""
     poll_seconds: float = Field(default=5.0, gt=0.0)
     """How often the sweep reads the running trials' losses from MLflow."""
 
@@ -70,14 +76,16 @@ class StopDecision:
     """Why a trial is stopped: its smoothed loss against the others' median at one step."""
 
     step: int
-    loss: float
+    loss: float  # the trial's smoothed value of ``metric``
     median: float
     num_trials: int
+    metric: str = "train/loss"
 
     def reason(self) -> str:
         """One line for logs and the trial's MLflow run."""
+        what = "training loss" if self.metric == "train/loss" else self.metric
         return (
-            f"training loss {self.loss:.4f} at step {self.step} is worse than the median "
+            f"{what} {self.loss:.4f} at step {self.step} is worse than the median "
             f"{self.median:.4f} of {self.num_trials} other trials"
         )
 
@@ -105,6 +113,14 @@ def median_stop(curve: Curve, others: Sequence[Curve], rule: EarlyStopping) -> S
     """The median stopping rule for one trial at its ``judged_step``: a decision to stop it,
     or None (in its grace period, too few other trials reached that step, or not worse than
     their median by more than the margin; a tie is never stopped)."""
+    if higher_is_better(rule.metric):  # judged as lower-is-better on the negated values
+        flipped = EarlyStopping.model_validate(rule.model_dump() | {"metric": "train/loss"})
+        found = median_stop(_negated(curve), [_negated(c) for c in others], flipped)
+        return (
+            None
+            if found is None
+            else StopDecision(found.step, -found.loss, -found.median, found.num_trials, rule.metric)
+        )
     step = judged_step(curve, others, rule.min_trials)
     if step is None or step < rule.min_steps:
         return None
@@ -115,4 +131,9 @@ def median_stop(curve: Curve, others: Sequence[Curve], rule: EarlyStopping) -> S
     median = statistics.median(peers)
     if not math.isfinite(median) or loss <= median + rule.margin * abs(median):
         return None
-    return StopDecision(step, loss, median, len(peers))
+    return StopDecision(step, loss, median, len(peers), rule.metric)
+
+
+def _negated(curve: Curve) -> list[tuple[int, float]]:
+    """``curve`` with its values negated; a NaN (diverged) stays NaN, the worst either way."""
+    return [(s, -v) for s, v in curve]

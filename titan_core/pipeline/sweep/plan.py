@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_core.config.job import JobConfig, parse_evaluators
+from titan_core.config.metrics import LIVE_METRICS, RUN_METRICS, check_metric
 from titan_core.errors import ConfigError, TitanError
 from titan_core.pipeline.run.paths import RunPaths, absolute
 from titan_core.pipeline.run.tracking import resolve_tracking_uri
@@ -28,15 +30,18 @@ BEST_ALIAS = "sweep-best"  # the registered-model alias of a sweep's best trial
 SIGNIFICANT = 4  # digits kept of a drawn float: readable names, no false precision
 
 
-def _trial_metrics() -> tuple[str, ...]:
-    from titan_core.pipeline.stages.evaluation import EVAL_METRICS
-
-    lower_is_better = ("loss", "perplexity", "bits_per_byte")
-    return (*(f"eval/{k}" for k in EVAL_METRICS if k in lower_is_better), "train/loss")
+TRIAL_METRICS = RUN_METRICS
+"""Metrics every trial's pipeline run logs, evaluators aside: any of them, or an evaluator's
+``eval/<name>/<metric>``, picks the best trial, in its direction (``titan_core.config.metrics``)."""
 
 
-TRIAL_METRICS = _trial_metrics()
-"""Metrics every trial's pipeline run logs that pick the best trial: the lowest wins."""
+def check_trial_metrics(cfg: JobConfig, metric: str, rule: EarlyStopping) -> None:
+    """One ConfigError line unless every trial (``cfg``) logs the sweep's ``metric`` (at the
+    end) and, with early stopping, ``rule.metric`` (while it trains)."""
+    evaluators = {e.name: e.kind for e in parse_evaluators(cfg.evaluators.sets)}
+    check_metric(metric, "sweep.metric", evaluators)
+    if rule.enable:
+        check_metric(rule.metric, "sweep.early_stop.metric", evaluators, LIVE_METRICS)
 
 
 @dataclass(frozen=True)
@@ -309,14 +314,10 @@ def plan_sweep(
 
     if concurrency < 1:
         raise ConfigError(f"sweep.concurrency: expected an int >= 1, got {concurrency!r}")
-    if metric not in TRIAL_METRICS:
-        raise ConfigError(
-            f"sweep.metric: expected a metric every trial's run logs ({', '.join(TRIAL_METRICS)}), "
-            f"got {metric!r}"
-        )
     rule = early_stopping(early_stop)
     expanded = expand(grid, random, trials, seed)
     cfg = resolve_job(recipe, config_file, dict(base))
+    check_trial_metrics(cfg, metric, rule)
     if not cfg.tracking.enable:
         raise ConfigError("tracking.enable: a sweep compares its trials in MLflow; expected true")
     keys = tuple(k for k, _ in expanded[0].values)
@@ -345,7 +346,8 @@ def plan_sweep(
     )
     for trial in plan.trials:
         try:
-            resolve_job(recipe, config_file, plan.overrides(trial))
+            trial_cfg = resolve_job(recipe, config_file, plan.overrides(trial))
+            check_trial_metrics(trial_cfg, metric, rule)
         except ConfigError as e:
             raise ConfigError(f"{trial.label(keys)}: {e}") from None
     return plan

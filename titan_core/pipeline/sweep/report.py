@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from titan_core import storage
+from titan_core.config.metrics import best_of, direction
 from titan_core.pipeline.run.report import markdown_table
 from titan_core.pipeline.sweep.plan import format_value, short_keys
 
@@ -84,14 +85,16 @@ class SweepResult:
         return tuple(t for t in self.trials if t.status == "stopped")
 
 
-def best_trial(rows: Sequence[TrialRow]) -> TrialRow | None:
-    """The completed trial with the lowest finite metric (the first one on a tie); a trial
-    stopped early only when no trial completed with one; else None."""
+def best_trial(rows: Sequence[TrialRow], metric: str = "eval/loss") -> TrialRow | None:
+    """The completed trial with the best finite ``metric`` (the lowest, or the highest for an
+    accuracy: ``titan_core.config.metrics``; the first one on a tie); a trial stopped early
+    only when no trial completed with one; else None."""
     for status in ("completed", "stopped"):
         scored = [r for r in rows if r.status == status and r.metric is not None]
         scored = [r for r in scored if math.isfinite(r.metric or math.nan)]
         if scored:
-            return min(scored, key=lambda r: r.metric or 0.0)
+            best = best_of(metric, [r.metric or 0.0 for r in scored])
+            return next(r for r in scored if r.metric == best)
     return None
 
 
@@ -169,7 +172,8 @@ def render_markdown(
         table.append(cells)
     lines += [*markdown_table(head, table), ""]
     if best is not None:
-        lines.append(f"Best by lowest `{metric}`: **{best.name}** ({best.metric:.4f}).")
+        way = "highest" if direction(metric) == "higher" else "lowest"
+        lines.append(f"Best by {way} `{metric}`: **{best.name}** ({best.metric:.4f}).")
     else:
         lines.append(f"No completed trial logged `{metric}`.")
     failed = [r for r in rows if r.status == "failed"]

@@ -19,7 +19,6 @@ from typing import Any
 from titan_core import storage
 from titan_core.config.job import JobConfig
 from titan_core.pipeline.compare import (
-    LOSS_KEY,
     PLOT_NAME,
     SWEEP_BEST_TAG,
     SWEEP_ID_TAG,
@@ -94,8 +93,9 @@ class TrialProgress:
 def trial_progress(
     tracking: TrackingContext, plan: SweepPlan, known: dict[int, TrialProgress]
 ) -> dict[int, TrialProgress]:
-    """Every trial with a pipeline run so far, its train stage run's status and training-loss
-    curve read live. ``known`` (the previous answer) spares reading runs that have ended."""
+    """Every trial with a pipeline run so far, its train stage run's status and the curve of
+    the early-stopping metric (``plan.early_stop.metric``, default the training loss) read
+    live. ``known`` (the previous answer) spares reading runs that have ended."""
     mlflow_client = client(tracking.uri)
     trial_of = {plan.run_id(t): t for t in plan.trials}
     runs = mlflow_client.search_runs(
@@ -118,7 +118,7 @@ def trial_progress(
         trial = TrialProgress(index, run.info.run_id, plan.run_root(planned), run.info.status)
         if (train := _train_run(mlflow_client, tracking, run.info.run_id)) is not None:
             trial.train_status = train.info.status
-            history = mlflow_client.get_metric_history(train.info.run_id, LOSS_KEY)
+            history = mlflow_client.get_metric_history(train.info.run_id, plan.early_stop.metric)
             trial.curve = sorted((m.step, m.value) for m in history)
         progress[index] = trial
     return progress
@@ -198,7 +198,7 @@ def write_report(
     """Write the PNGs, ``comparison.md`` and ``comparison.json`` into ``folder`` (artifacts of
     the sweep's MLflow run); returns the markdown with the images embedded (for Prefect) and the
     JSON document. The ``comparison.md`` file links the PNGs as MLflow's UI serves them."""
-    best = best_trial(rows)
+    best = best_trial(rows, plan.metric)
     curves = plot_loss_curves(
         summaries, os.path.join(folder, PLOT_NAME), f"sweep {plan.sweep_id}: training loss"
     )
@@ -254,7 +254,7 @@ def record_comparison(
     """Compare the trials, log the report (``comparison.md``/``.json``, the PNGs) and the best
     metric to the sweep's run, alias the best trial's model version; returns the result."""
     rows, summaries = trial_rows(tracking, plan, outcomes)
-    best = best_trial(rows)
+    best = best_trial(rows, plan.metric)
     with tempfile.TemporaryDirectory(prefix="titan-sweep-") as tmp:
         markdown, _ = write_report(tmp, plan, rows, summaries, tracking)
         client(tracking.uri).log_artifacts(tracking.parent_run_id, tmp)
