@@ -443,11 +443,12 @@ def test_mtp_loss_reaches_the_gradient_and_never_the_logits() -> None:
     logits = model(tokens)
     h = {}
     model.norm.register_forward_pre_hook(lambda m, a: h.__setitem__("h", a[0]))
-    from titan_core.models.common.mtp import mtp_losses
+    from titan_core.models.common.mtp import labels_ahead, mtp_losses
 
     logits = model(tokens)
     blocks = [model.layers["3"], model.layers["4"]]
-    losses = mtp_losses(h["h"], tokens, blocks, model.tok_embeddings, model.output, model.freqs_cis)
+    ahead = labels_ahead(torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], 1), 2)
+    losses = mtp_losses(h["h"], ahead, blocks, model.tok_embeddings, model.output, model.freqs_cis)
     (logits.float().logsumexp(-1).mean() + 0.25 * 0.5 * torch.stack(losses).mean()).backward()
     for n, g in grads.items():
         torch.testing.assert_close(model.get_parameter(n).grad, g, rtol=1e-5, atol=1e-7, msg=n)
@@ -456,6 +457,47 @@ def test_mtp_loss_reaches_the_gradient_and_never_the_logits() -> None:
     plain.load_state_dict(model.state_dict(), strict=False)
     with torch.no_grad():
         assert torch.equal(plain(tokens), model.eval()(tokens))
+
+
+def test_mtp_over_the_whole_window_equals_deepseeks_cut_window() -> None:
+    """Depth k keeps all seq positions (so it splits along the sequence under TP and CP) and
+    ignores the last k targets: its loss equals DeepSeek-V3's definition, the block run on the
+    first seq - k positions only with the embeddings of tokens k ahead, to fp32 rounding."""
+    import torch.nn.functional as F
+
+    from titan_core.models.common.mtp import labels_ahead, mtp_losses
+
+    args = _tiny_args(mtp_layers=2)
+    model = _engine_model(args).train()
+    window = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(7))
+    tokens, labels = window[:, :-1], window[:, 1:]
+    h = {}
+    model.norm.register_forward_pre_hook(lambda m, a: h.__setitem__("h", a[0]))
+    model(tokens, labels_ahead=labels_ahead(labels, 2))  # training: the MTP loss kept
+    with torch.no_grad():
+        blocks = [model.layers["3"], model.layers["4"]]
+        kept = mtp_losses(
+            h["h"],
+            labels_ahead(labels, 2),
+            blocks,
+            model.tok_embeddings,
+            model.output,
+            model.freqs_cis,
+        )
+        cut, prev, seq = [], h["h"], tokens.shape[1]
+        for k, block in enumerate(blocks, start=1):
+            n = seq - k
+            prev, normed = block(
+                prev[:, :n], model.tok_embeddings(window[:, k : k + n]), model.freqs_cis
+            )
+            logits = model.output(normed).float()
+            cut.append(
+                F.cross_entropy(logits.flatten(0, 1), window[:, k + 1 : k + 1 + n].flatten())
+            )
+    assert len(kept) == 2
+    for ours, theirs in zip(kept, cut, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    torch.testing.assert_close(model.mtp_loss, torch.stack(kept).mean(), rtol=1e-6, atol=0)
 
 
 def test_trained_checkpoint_exports_and_generates_like_the_engine(
@@ -508,24 +550,26 @@ def test_bad_shapes_and_other_architectures_are_one_line() -> None:
         MoEArgs(num_experts=8, num_groups=3)
     spec = get_model_spec("deepseek_v3")
     cfg = parse_args(TINY)
-    dims = SimpleNamespace(tp=2, pp=1, cp=1)
+    dims = SimpleNamespace(tp=1, pp=2, cp=1)
     with pytest.raises(
         ConfigError,
-        match=r"^parallelism\.tensor_parallel_degree: 2 does not run multi-token prediction",
+        match=r"^parallelism\.pipeline_parallel_degree: 2 does not run multi-token prediction",
     ):
         spec.check(dims, cfg, "cpu", deepseek_v3_flavors["debugmodel_tiny"])
 
 
 def test_tiny_recipe_trains_with_the_mtp_block_counted(
-    tmp_path: Path, assets: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, assets: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     """``titan train`` of the tiny recipe, gradient accumulation 2: finite losses, the MTP
     loss logged as ``mtp/loss`` at every step in metrics.jsonl and the MLflow run (near the
     next-token loss at init: both predict a fresh model's tokens), and the MTP block's MoE
-    (layer 3, past ``n_layers``) has its expert-load metrics like the others."""
+    (layer 3, past ``n_layers``) has its expert-load metrics like the others. The trainer's
+    model line counts the parameters as ``titan estimate`` does, MTP apart."""
     from mlflow import MlflowClient
 
     from titan_core.components.mlflow_sink import RUN_ID_ENV, TRACKING_URI_ENV
+    from titan_core.estimate import estimate
     from titan_core.train import run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -540,6 +584,15 @@ def test_tiny_recipe_trains_with_the_mtp_block_counted(
     logged = run(parse_args(argv))
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged)
     assert {"moe/layer1/load_max", "moe/layer3/load_max"} <= set(logged[-1])
+    layout = estimate(parse_args(argv), 1).layout
+    out = capsys.readouterr().out
+    model_line = next(line for line in out.splitlines() if " Model deepseek_v3 " in line)
+    assert layout.num_mtp_params > 0, layout
+    assert (
+        f": {layout.num_params:,} parameters ({layout.num_activated_params:,} activated) + "
+        f"multi-token prediction {layout.num_mtp_params:,} "
+        f"({layout.num_mtp_activated_params:,} activated), "
+    ) in model_line, model_line
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     rows = [r for r in map(json.loads, lines) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -565,7 +618,8 @@ def test_mtp_settings_reach_the_model_args() -> None:
 def test_mtp_gradient_with_accumulation_equals_the_whole_batch(tmp_path: Path) -> None:
     """One global batch of 4 sequences as 1 microbatch or as 2 of 2: every gradient equal
     within fp32 tolerance, the MTP-only ones (``eh_proj``) included, which a missing
-    1 / accumulation factor on the MTP loss would double; the forward gets the labels."""
+    1 / accumulation factor on the MTP loss would double; the forward gets the targets ahead."""
+    from titan_core.models.common.mtp import labels_ahead
     from titan_core.trainer import Trainer
 
     def grads(accumulation: int) -> dict[str, torch.Tensor]:
@@ -580,12 +634,15 @@ def test_mtp_gradient_with_accumulation_equals_the_whole_batch(tmp_path: Path) -
             batches = [
                 (part[:, :-1], part[:, 1:]) for part in tokens.chunk(accumulation)
             ]  # (4 / accumulation, 64) each
-            seen: list[Any] = []  # the labels each forward got
+            seen: list[Any] = []  # the targets ahead each forward got
             trainer.model.register_forward_pre_hook(
-                lambda m, a, kw: seen.append(kw.get("labels")), with_kwargs=True
+                lambda m, a, kw: seen.append(kw.get("labels_ahead")), with_kwargs=True
             )
             trainer.train_step(batches)
-            assert all(torch.equal(got, b[1]) for got, b in zip(seen, batches, strict=True))
+            assert all(
+                torch.equal(got, labels_ahead(b[1], 1))
+                for got, b in zip(seen, batches, strict=True)
+            )
             return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
         finally:
             trainer.close()

@@ -59,10 +59,9 @@ def _norm_params(model: torch.nn.Module) -> int:
 
 
 def test_flops_per_token_match_the_counted_graph() -> None:
-    """MTP off: the formula times the tokens is the count exactly (less the norm scales).
-    MTP on: the MTP depth sees seq - 1 positions, so the formula's MTP increment per token,
-    split into its matmul and attention parts, is checked at seq - 1 tokens against the
-    count's increment."""
+    """MTP off and on: the formula times the tokens is the count exactly (less the norm
+    scales); the MTP depth runs over the whole window (its last target ignored), so it costs
+    what one more layer and one more output head do."""
     bs, seq = 2, 32
     args = dataclasses.replace(
         deepseek_v3_flavors["debugmodel_tiny"], vocab_size=256, max_seq_len=seq
@@ -78,15 +77,10 @@ def test_flops_per_token_match_the_counted_graph() -> None:
         counts[mtp] = _counted(model, tokens)
         _, per_token = model_args.get_nparams_and_flops(model, seq)
         formula[mtp] = (per_token, _norm_params(model))
-    per_token, norms = formula[0]
-    assert counts[0] == (per_token - 6 * norms) * bs * seq
-
-    qk = args.qk_nope_head_dim + args.qk_rope_head_dim
-    attention = 6 * args.n_heads * (qk + args.v_head_dim)  # per token and key, one layer
-    matmul = formula[1][0] - per_token - attention * seq  # the MTP depth's, per token
-    mtp_norms = formula[1][1] - norms
-    n = seq - 1
-    assert counts[1] - counts[0] == (matmul - 6 * mtp_norms) * bs * n + attention * bs * n * n
+    for mtp in (0, 1):
+        per_token, norms = formula[mtp]
+        assert counts[mtp] == (per_token - 6 * norms) * bs * seq, mtp
+    assert counts[1] > counts[0]
 
 
 @pytest.mark.filterwarnings("ignore:DTensor random operators")

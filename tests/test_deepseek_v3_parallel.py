@@ -3,11 +3,12 @@ process from one seed checkpoint (tests/parallel_harness.py, the tiny DeepSeek-V
 query LoRA, qk 16 + 8 and v 16 channels per head, one dense then two MoE layers of 8 experts in
 4 groups, one MTP block), and multi-token prediction refused in one line where it cannot run.
 
-Multi-token prediction runs with FSDP and expert parallel (MTP on); tensor, pipeline and
-context parallel run with ``--model.mtp_layers 0`` against a single process with MTP off,
+Multi-token prediction runs under FSDP, expert parallel (2 and 4), TP and CP (MTP on);
+pipeline parallel runs with ``--model.mtp_layers 0`` against a single process with MTP off,
 from the same seed (the MTP block's tensors in it are simply not loaded). fp32,
-deterministic, tolerance 1e-5 relative. Each code path once (CI budget): FSDP and EP share one
-run, TP / PP / CP one run each.
+deterministic, tolerance 1e-5 relative. Each code path once (CI budget): FSDP 2 x EP 2 one
+run, TP and PP one each, and one of 4 ranks for FSDP 2 x CP 2 x EP 4 (experts spread over
+the data and context ranks).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def dsv3_reference(tmp_path_factory: pytest.TempPathFactory, dsv3_seed: Path) ->
             2,
             1,
             [f"{P}tensor_parallel_degree", "2"],
-            False,
+            True,
             "Applied tensor + sequence parallel (degree 2, loss parallel True)",
         ),
         (
@@ -82,11 +83,11 @@ def dsv3_reference(tmp_path_factory: pytest.TempPathFactory, dsv3_seed: Path) ->
             "Pipeline: 1F1B, 2 stages on 2 ranks",
         ),
         (
-            "CP 2",
+            "FSDP 2 x CP 2 x EP 4",
+            4,
             2,
-            1,
-            [f"{P}context_parallel_degree", "2"],
-            False,
+            [f"{P}context_parallel_degree", "2", f"{P}expert_parallel_degree", "4"],
+            True,
             f"ring attention over 2 ranks (allgather rotation), {SEQ_LEN // 2} of {SEQ_LEN}",
         ),
     ],
@@ -115,15 +116,13 @@ def test_deepseek_v3_layout_parity(
     assert_parity(grad_norms(tmp_path), norms, what=f"deepseek_v3 {name} grad norm")
 
 
-@pytest.mark.parametrize(
-    "degree", ["tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"]
-)
-def test_mtp_with_tp_pp_or_cp_is_one_line_before_launch(
-    tmp_path: Path, degree: str, capsys: pytest.CaptureFixture[str]
+def test_mtp_with_pp_is_one_line_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """MTP's shifted window and shared embedding/head do not split along the sequence or over
-    stages: refused in one line, exit 2, before torchrun, naming the way out."""
+    """MTP's modules need the first stage's embedding after the last stage: refused in one
+    line, exit 2, before torchrun, naming the way out."""
     dump = tmp_path / "run"
+    degree = "pipeline_parallel_degree"
     argv = ["train", "--ngpu", "2", *MODEL, f"{P}{degree}", "2", "--job.dump_folder", str(dump)]
     code, out, err = titan_in_process(argv, capsys)
     assert code == 2, out[-2000:] + err[-2000:]

@@ -386,12 +386,19 @@ def build_model_parts(
     nparams, flops_per_token = spec.nparams_and_flops(model_args, model, cfg.training.seq_len)
     counts = getattr(model_args, "param_counts", None)
     activated = counts()[1] if counts is not None and getattr(model_args, "moe", None) else None
+    # Multi-token prediction apart, as titan estimate prints it (the published counts omit it).
+    mtp_counts = getattr(model_args, "mtp_param_counts", None)
+    mtp, mtp_activated = mtp_counts() if mtp_counts is not None else (0, 0)
+    described = f"{nparams - mtp:,} parameters"
+    if activated is not None:
+        described += f" ({activated - mtp_activated:,} activated)"
+    if mtp:
+        described += f" + multi-token prediction {mtp:,} ({mtp_activated:,} activated)"
     logger.info(
-        "Model %s %s: %s parameters%s, %.3e training FLOPs/token",
+        "Model %s %s: %s, %.3e training FLOPs/token",
         cfg.model.name,
         cfg.model.flavor,
-        f"{nparams:,}",
-        f" ({activated:,} activated)" if activated is not None else "",
+        described,
         flops_per_token,
     )
     pipeline, parts = None, [model]

@@ -65,7 +65,8 @@ from titan_core.distributed import utils as dist_utils
 from titan_core.distributed.context_parallel import context_parallel_context, model_cp_buffers
 from titan_core.distributed.pipeline_parallel import ModelPartsView
 from titan_core.logging import init_logger, logger
-from titan_core.models import describe_model, forward_takes_labels, get_model_spec
+from titan_core.models import describe_model, get_model_spec, labels_ahead_depth
+from titan_core.models.common.mtp import labels_ahead
 from titan_core.stop_request import StopRequests
 
 
@@ -129,9 +130,15 @@ class Trainer:
             if hasattr(stage, "_forward_metadata_inference"):  # torch's first-step shape pass
                 self.moe_stats.exclude_forwards_of(stage, "_forward_metadata_inference")
         # A model training multi-token prediction: its loss's scale and the mtp/loss metric.
-        self.mtp_stats = MTPStats(self.model, self._dp_cp_group(), self._pp_group(), self.device)
-        # A forward that reads the targets (MTP's last positions) gets them.
-        self._labels_to_forward = self.pipeline is None and forward_takes_labels(self.model)
+        self.mtp_stats = MTPStats(
+            self.model,
+            self._dp_cp_group(),
+            self._pp_group(),
+            self.device,
+            context_parallel=self.parallel_dims.cp,
+        )
+        # A forward that reads targets ahead (MTP) gets them, built before CP splits the window.
+        self._labels_ahead = 0 if self.pipeline is not None else labels_ahead_depth(self.model)
         self._autocast_dtype = autocast_dtype(cfg.training, self.parallel_dims.fsdp_enabled)
         self.evaluators = self._build_evaluators()
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -528,20 +535,23 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
-    def _train_context(self, inputs: torch.Tensor, labels: torch.Tensor) -> contextlib.ExitStack:
-        """Contexts around one micro-batch's forward and backward (loss parallel, CP)."""
+    def _train_context(
+        self, inputs: torch.Tensor, labels: torch.Tensor, *more: torch.Tensor
+    ) -> contextlib.ExitStack:
+        """Contexts around one micro-batch's forward and backward (loss parallel, CP; ``more``:
+        other (bs, seq, ...) tensors CP splits with the tokens)."""
         stack = contextlib.ExitStack()
         if self.parallel_dims.loss_parallel_enabled(self.cfg.parallelism):
             stack.enter_context(loss_parallel())
         if self.parallel_dims.cp_enabled:
-            stack.enter_context(self._cp_context(inputs, labels))
+            stack.enter_context(self._cp_context(inputs, labels, *more))
         return stack
 
     def _cp_context(
-        self, inputs: torch.Tensor, labels: torch.Tensor
+        self, inputs: torch.Tensor, labels: torch.Tensor, *more: torch.Tensor
     ) -> contextlib.AbstractContextManager:
         """Shard this micro-batch and the RoPE tables along the sequence; SDPA runs as a ring."""
-        buffers, seq_dims, no_restore = model_cp_buffers(self.model_parts, inputs, labels)
+        buffers, seq_dims, no_restore = model_cp_buffers(self.model_parts, inputs, labels, more)
         return context_parallel_context(
             self.parallel_dims.mesh["cp"],
             buffers,
@@ -564,9 +574,11 @@ class Trainer:
             assert doc_ids is None, "check_job refuses document masking with PP"
             with self._train_context(inputs, labels), self._autocast():
                 return self.pipeline.step(inputs, labels, scale)
-        with self._train_context(inputs, labels):
+        extra = {}
+        if self._labels_ahead:  # (bs, seq, depth + 1), split by CP with the tokens
+            extra["labels_ahead"] = labels_ahead(labels, self._labels_ahead)
+        with self._train_context(inputs, labels, *extra.values()):
             with self._autocast():
-                extra = {"labels": labels} if self._labels_to_forward else {}
                 pred = self.model(inputs, doc_ids=doc_ids, **extra)  # (bs, seq, vocab)
             loss = self.loss_fn(pred, labels) * scale
             del pred  # free the logits before backward needs the memory

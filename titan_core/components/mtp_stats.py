@@ -2,8 +2,9 @@
 and its metric.
 
 A model that trains MTP modules (``models.common.mtp``) adds their loss to its own gradient in
-``forward`` and exposes two attributes, found here by name (no family is named): before each
-step ``mtp_loss_scale`` is set to the factor each forward's training loss gets, 1 /
+``forward`` and exposes three attributes, found here by name (no family is named):
+``mtp_context_parallel`` is set once to the CP degree (its loss's share of a split window);
+before each step ``mtp_loss_scale`` is set to the factor each forward's training loss gets, 1 /
 (gradient-accumulation steps x pipeline microbatches), as ``MoEStats`` sets the aux loss's; and
 ``mtp_loss``, the detached mean MTP loss of its last training forward (None when it computed
 none), is recorded after every training forward. On log steps the recorded values are averaged
@@ -37,8 +38,11 @@ class MTPStats:
         group: dist.ProcessGroup | None,
         pp_group: dist.ProcessGroup | None,
         device: torch.device | None = None,
+        context_parallel: int = 1,
     ) -> None:
         self.modules = [m for m in model.modules() if hasattr(m, "mtp_loss_scale")]
+        for module in self.modules:  # its loss's share of a window CP splits (``mtp_losses``)
+            module.mtp_context_parallel = context_parallel
         self.group = group
         self.pp_group = pp_group
         self.device = device or torch.device("cpu")

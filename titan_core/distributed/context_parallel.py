@@ -293,10 +293,14 @@ def _log_once(msg: str, *args: object) -> None:
 
 
 def model_cp_buffers(
-    model_parts: Sequence[nn.Module], inputs: torch.Tensor, labels: torch.Tensor
+    model_parts: Sequence[nn.Module],
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    more: Sequence[torch.Tensor] = (),
 ) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]]:
-    """(buffers, seq_dims, no_restore) for one micro-batch: the inputs and labels (bs, seq),
-    consumed by the step, and each model part's RoPE table (seq, head_dim // 2), restored after.
+    """(buffers, seq_dims, no_restore) for one micro-batch: the inputs and labels (bs, seq) and
+    ``more`` (bs, seq, ...) tensors, consumed by the step, and each model part's RoPE table
+    (seq, head_dim // 2), restored after.
 
     The table must have exactly ``seq`` rows so that its shards line up with the tokens'.
     """
@@ -312,5 +316,5 @@ def model_cp_buffers(
     # Storage identity, not data_ptr: fake tensors (COMM_MODE dry runs) all report address 0.
     if inputs.untyped_storage()._cdata == labels.untyped_storage()._cdata:
         raise ValueError("context parallel: inputs and labels must not share storage")
-    buffers = [inputs, labels, *tables]
-    return buffers, [1, 1] + [0] * len(tables), [inputs, labels]
+    buffers = [inputs, labels, *more, *tables]
+    return buffers, [1] * (2 + len(more)) + [0] * len(tables), [inputs, labels, *more]

@@ -23,7 +23,7 @@ from titan_core.models.protocol import (
     ModelSpec,
     StateDict,
     decoder_spec,
-    forward_takes_labels,
+    labels_ahead_depth,
 )
 
 ENTRY_POINT_GROUP = "titan.models"
@@ -197,9 +197,9 @@ __all__ = [
     "decoder_spec",
     "describe_model",
     "family_names",
-    "forward_takes_labels",
     "get_flavor",
     "get_model_spec",
+    "labels_ahead_depth",
     "model_from_description",
     "register_model_spec",
     "spec_for_args",

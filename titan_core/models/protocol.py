@@ -8,7 +8,6 @@ A family is a package (``titan_core.models.<family>`` or any importable module) 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -98,11 +97,12 @@ class ModelSpec:
     description: str = ""
 
 
-def forward_takes_labels(model: nn.Module) -> bool:
-    """Whether ``model.forward`` takes ``labels=`` (the training targets, (bs, seq)) besides the
-    tokens: a model that trains a loss of its own (multi-token prediction) reads the targets
-    past the window's last token from them."""
-    return "labels" in inspect.signature(model.forward).parameters
+def labels_ahead_depth(model: nn.Module) -> int:
+    """How many targets past each position's own the model's training forward reads (0: none).
+    A model that trains a loss of its own further ahead (multi-token prediction) says so with an
+    ``mtp_depth`` attribute and takes ``labels_ahead=`` (``models.common.mtp.labels_ahead``'s
+    (bs, seq, depth + 1)) besides the tokens."""
+    return int(getattr(model, "mtp_depth", 0))
 
 
 def decoder_spec(

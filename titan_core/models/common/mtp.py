@@ -3,6 +3,11 @@ predicting the token k + 1 positions ahead from the (k-1)-th's hidden states and
 of the token k positions ahead, through one more decoder block, sharing the embedding and the
 output head with the main model.
 
+Every depth keeps the whole window (``labels_ahead`` carries each position's future tokens and
+targets, ignored past the window's end), so MTP splits along the sequence like the decoder:
+tensor (sequence) parallel and context parallel run it; pipeline parallel does not (the
+embedding lives on the first stage, MTP after the last).
+
 A family's MTP module is its decoder block plus ``MTPInput``'s modules (``enorm``, ``hnorm``,
 ``eh_proj``) and a ``head_norm``: ``block(h_prev, emb, freqs_cis, mask=...)`` returns the new
 hidden states and their ``head_norm`` (applied inside the block's forward, where FSDP has the
@@ -18,10 +23,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from titan_core.models.common.masking import document_mask, document_positions
 from titan_core.models.common.rmsnorm import RMSNorm
-from titan_core.models.common.rope import freqs_at
 
 
 class MTPInput(nn.Module):
@@ -45,44 +49,66 @@ class MTPInput(nn.Module):
         nn.init.trunc_normal_(self.eh_proj.weight, mean=0.0, std=0.02)
 
 
+IGNORE = -100  # a target past the window: cross entropy's ignore_index
+
+
+def labels_ahead(labels: torch.Tensor, depth: int) -> torch.Tensor:
+    """(bs, seq) training targets -> (bs, seq, depth + 1): column j holds the target j positions
+    further on (column 0 the targets themselves), ``IGNORE`` past the window's end.
+
+    Depth k's MTP module reads the token k ahead of each position (column k - 1: the targets
+    are the tokens shifted by one) and predicts the one after it (column k). Built from the whole
+    window before anything splits the sequence (context parallel shards it with the tokens), so
+    a position keeps its own future wherever it lands.
+    """
+    bs, seq = labels.shape
+    out = labels.new_full((bs, seq, depth + 1), IGNORE)
+    for j in range(depth + 1):
+        if j < seq:
+            out[:, : seq - j, j] = labels[:, j:]
+    return out
+
+
 def mtp_losses(
     h: torch.Tensor,
-    tokens: torch.Tensor,
+    ahead: torch.Tensor,
     blocks: Sequence[nn.Module],
     embed: nn.Module,
     output: nn.Module,
     freqs_cis: torch.Tensor,
     *,
-    doc_ids: torch.Tensor | None = None,
-    restart_positions: bool = False,
-    labels: torch.Tensor | None = None,
+    mask: object = None,
+    context_parallel: int = 1,
 ) -> list[torch.Tensor]:
-    """Each depth's mean cross entropy (fp32), depth k = 1..len(blocks).
+    """Each depth's cross entropy (fp32), depth k = 1..len(blocks), averaged over the positions
+    whose target lies inside the window.
 
-    ``h`` (bs, seq, dim) is the decoder's last hidden state before its final norm. Depth k sees
-    positions ``0 .. seq - k - 1``; its targets are ``labels[:, k:]`` when the training labels
-    are given, else the input ``tokens[:, k + 1:]`` (the last position, whose target is past
-    the window, left out). ``doc_ids`` masks attention within documents as in the decoder.
+    ``h`` (bs, seq, dim) is the decoder's last hidden state before its final norm, ``ahead``
+    ``labels_ahead``'s (bs, seq, >= len(blocks) + 1) and ``freqs_cis`` / ``mask`` the decoder's.
+    Every depth keeps all ``seq`` positions (the window is not cut, so it splits along the
+    sequence as the decoder's does under TP's sequence parallel and CP): at the last k positions
+    the token k ahead lies past the window; they read token 0 and their target is ignored.
+    Attention is causal, so they change no other position's output, and the loss equals the mean
+    over the ``seq - k`` positions DeepSeek-V3 predicts from. Under context parallel each rank
+    holds ``seq`` of the ``seq x context_parallel`` positions; its loss is scaled so that the
+    mean over the CP ranks (the gradients' average) is the whole window's mean.
     """
-    seq = tokens.shape[1]
+    bs, seq = ahead.shape[:2]
+    window = seq * context_parallel
     losses = []
     for k, block in enumerate(blocks, start=1):
-        n = seq - k  # positions this depth predicts from
-        if n < 1:
+        if window - k < 1:
             break
-        emb = embed(tokens[:, k:])  # (bs, n, dim): the token k ahead
-        freqs, mask = freqs_cis, None
-        if doc_ids is not None:
-            mask = document_mask(doc_ids[:, :n])
-            if restart_positions:
-                freqs = freqs_at(freqs_cis, document_positions(doc_ids[:, :n]))
-        h, normed = block(h[:, :n], emb, freqs, mask=mask)  # (bs, n, dim) each
-        logits = output(normed)  # (bs, n, vocab)
-        if labels is not None:
-            target = labels[:, k:]
-        else:
-            target, logits = tokens[:, k + 1 :], logits[:, : n - 1]
-        if target.numel() == 0:
-            break
-        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(0, 1)))
+        emb = embed(ahead[..., k - 1].clamp(min=0))  # (bs, seq, dim): the token k ahead
+        h, normed = block(h, emb, freqs_cis, mask=mask)  # (bs, seq, dim) each
+        logits = output(normed)  # (bs, seq, vocab)
+        per_token = F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            ahead[..., k].flatten(),
+            ignore_index=IGNORE,
+            reduction="none",
+        )
+        if isinstance(per_token, DTensor):  # loss parallel: replicated once reduced over vocab
+            per_token = per_token.full_tensor()
+        losses.append(per_token.sum() / (bs * seq) * window / (window - k))
     return losses

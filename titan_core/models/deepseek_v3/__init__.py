@@ -29,18 +29,13 @@ from titan_core.models.deepseek_v3.state_dict_adapter import (
 
 
 def check(parallel_dims: Any, cfg: Any, device_type: str, args: DeepseekV3ModelArgs) -> None:
-    """The shared decoder checks, plus one line for multi-token prediction under TP, PP or CP."""
-    for degree, key in (
-        (parallel_dims.tp, "tensor_parallel_degree"),
-        (parallel_dims.pp, "pipeline_parallel_degree"),
-        (parallel_dims.cp, "context_parallel_degree"),
-    ):
-        if degree > 1 and args.mtp_layers > 0:
-            raise ConfigError(
-                f"parallelism.{key}: {degree} does not run multi-token prediction yet (its "
-                "shifted window and shared embedding/head neither split along the sequence nor "
-                "across stages); set --model.mtp_layers 0 or use FSDP and expert parallel"
-            )
+    """The shared decoder checks, plus one line for multi-token prediction under PP."""
+    if parallel_dims.pp > 1 and args.mtp_layers > 0:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree: {parallel_dims.pp} does not run multi-token "
+            "prediction (its modules need the first stage's embedding after the last stage); "
+            "set --model.mtp_layers 0 or use FSDP, TP, CP or expert parallel"
+        )
     check_decoder_support(parallel_dims, cfg, device_type, args)
 
 

@@ -23,7 +23,8 @@ from titan_core.models.common.feed_forward import FeedForward
 from titan_core.models.common.masking import AttentionMask, document_mask, document_positions
 from titan_core.models.common.mla import MultiHeadLatentAttention
 from titan_core.models.common.moe import MoE, MoEArgs, add_loss_gradient
-from titan_core.models.common.mtp import MTPInput, mtp_losses
+from titan_core.models.common.mtp import IGNORE, MTPInput, mtp_losses
+from titan_core.models.common.mtp import labels_ahead as mtp_labels_ahead
 from titan_core.models.common.rmsnorm import RMSNorm
 from titan_core.models.common.rope import YarnScaling, freqs_at, yarn_softmax_mscale
 
@@ -251,8 +252,9 @@ class DeepseekV3Model(Decoder):
     mean loss times ``mtp_loss_weight * mtp_loss_scale`` reaches the gradient through the
     logits' backward, and ``mtp_loss`` keeps its value (detached) for the metrics. The trainer
     sets ``mtp_loss_scale`` to its training loss's factor (1 / gradient-accumulation steps) and
-    logs ``mtp_loss`` as ``mtp/loss`` (``components.mtp_stats``); it passes ``labels``, so the
-    last position predicts too.
+    logs ``mtp_loss`` as ``mtp/loss`` (``components.mtp_stats``); it passes ``labels_ahead``
+    (built from the whole window before context parallel splits it), so the last positions
+    predict too.
     """
 
     def __init__(self, args: DeepseekV3ModelArgs) -> None:
@@ -270,6 +272,7 @@ class DeepseekV3Model(Decoder):
         self._tie_weights()
         self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
         self.mtp_loss_scale = 1.0
+        self.mtp_context_parallel = 1  # the trainer's CP degree (``mtp_losses``)
         self.mtp_loss: torch.Tensor | None = None
 
     def _blocks(self) -> tuple[list[nn.Module], list[nn.Module]]:
@@ -278,14 +281,22 @@ class DeepseekV3Model(Decoder):
         items = sorted(self.layers.items(), key=lambda kv: int(kv[0]))
         return [b for k, b in items if int(k) < n], [b for k, b in items if int(k) >= n]
 
+    @property
+    def mtp_depth(self) -> int:
+        """How many MTP modules this model part trains (0: none, or not the last stage): the
+        trainer passes ``labels_ahead(labels, mtp_depth)`` to ``forward``."""
+        return len(self._blocks()[1]) if self.output is not None else 0
+
     def forward(
         self,
         tokens: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+        labels_ahead: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids (bs, seq) -> logits (bs, seq, vocab); ``doc_ids`` as ``Decoder``'s.
-        ``labels`` (optional) give the MTP loss its last position's targets."""
+        ``labels_ahead`` (optional, ``mtp.labels_ahead``'s (bs, seq, mtp_depth + 1)) gives the
+        MTP modules their tokens and targets ahead; without it they are read from ``tokens``
+        (the last position has no target)."""
         # A pipeline stage holds only its part (``Decoder``'s convention): hidden states in/out.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1]
@@ -295,10 +306,9 @@ class DeepseekV3Model(Decoder):
                 "raise model.max_seq_len"
             )
         freqs_cis, mask = self.freqs_cis, None
-        restart = self.model_args.document_positions
         if doc_ids is not None:
             mask = document_mask(doc_ids)
-            if restart:
+            if self.model_args.document_positions:
                 freqs_cis = freqs_at(self.freqs_cis, document_positions(doc_ids))
         layers, mtp_blocks = self._blocks()
         for layer in layers:
@@ -306,24 +316,26 @@ class DeepseekV3Model(Decoder):
         if self.output is None:  # not the last stage (MTP is refused under PP)
             return h  # (bs, seq, dim)
         logits = self.output(self.norm(h))  # (bs, seq, vocab)
-        weight = self.model_args.mtp_loss_weight
         self.mtp_loss = None  # a forward without MTP leaves no stale value to log
         if mtp_blocks and self.training and torch.is_grad_enabled():
+            if labels_ahead is None:
+                after = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], IGNORE)], 1)
+                labels_ahead = mtp_labels_ahead(after, len(mtp_blocks))
             losses = mtp_losses(
                 h,
-                tokens,
+                labels_ahead,
                 mtp_blocks,
                 self.tok_embeddings,
                 self.output,
-                self.freqs_cis,
-                doc_ids=doc_ids,
-                restart_positions=restart,
-                labels=labels,
+                freqs_cis,
+                mask=mask,
+                context_parallel=self.mtp_context_parallel,
             )
             if losses:
                 loss = torch.stack(losses).mean()
                 self.mtp_loss = loss.detach()
-                logits = add_loss_gradient(logits, loss, weight * self.mtp_loss_scale)
+                weight = self.model_args.mtp_loss_weight * self.mtp_loss_scale
+                logits = add_loss_gradient(logits, loss, weight)
         return logits
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

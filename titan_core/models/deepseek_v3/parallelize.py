@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from titan_core.config.job import Float8 as Float8Config
 from titan_core.distributed.tensor_parallel import ReplicateParallel
@@ -88,8 +88,8 @@ def deepseek_v3_tp_plan(
     model: nn.Module, loss_parallel: bool, float8_cfg: Float8Config
 ) -> dict[str, ParallelStyle]:
     """The decoder TP + SP plan with each block's attention planned as MLA (see the module
-    doc). The MTP blocks' input projection is not planned: MTP is refused with TP
-    (``deepseek_v3.check``)."""
+    doc); an MTP block's input norms, projection and head norm run on the sequence shards
+    with replicated weights (``SequenceParallel``), as the decoder's norms do."""
     from titan_core.distributed.float8 import tp_styles
 
     colwise, _, _ = tp_styles(float8_cfg)
@@ -99,4 +99,8 @@ def deepseek_v3_tp_plan(
             plan.pop(f"layers.{name}.{fqn}", None)
         mla = mla_tp_plan(block.attention, colwise)
         plan.update({f"layers.{name}.{fqn}": style for fqn, style in mla.items()})
+        if hasattr(block, "mtp_input"):  # both inputs arrive as sequence shards
+            for fqn in ("mtp_input.enorm", "mtp_input.hnorm", "mtp_input.eh_proj"):
+                plan[f"layers.{name}.{fqn}"] = SequenceParallel(use_local_output=True)
+            plan[f"layers.{name}.head_norm"] = SequenceParallel()  # into the output head
     return plan
