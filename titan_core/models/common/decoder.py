@@ -119,9 +119,13 @@ class DecoderArgs:
 class DecoderBlock(nn.Module):
     """Pre-norm decoder layer: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
 
-    def __init__(self, layer_id: int, args: DecoderArgs) -> None:
+    def __init__(
+        self, layer_id: int, args: DecoderArgs, attention: nn.Module | None = None
+    ) -> None:
+        """``attention``: a family's own attention module (DeepSeek-V3's MLA) in place of
+        grouped-query attention; it takes ``(x, freqs_cis, mask=...)`` like ``Attention``."""
         super().__init__()
-        self.attention = Attention(
+        self.attention = attention or Attention(
             args.dim,
             args.n_heads,
             args.num_kv_heads,

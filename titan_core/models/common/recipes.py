@@ -77,6 +77,7 @@ def gpu_recipe(
     warmup_steps: int = 200,
     steps: int = 1000,
     tensor_parallel_degree: int = 1,
+    expert_parallel_degree: int = 1,
     compile_model: bool = False,
 ) -> JobConfig:
     """torchtitan's GPU recipe shape: bf16 FSDP params, AC, checkpoints every 500 steps."""
@@ -95,7 +96,9 @@ def gpu_recipe(
         optimizer=Optimizer(lr=lr, eps=1e-8),
         lr_scheduler=LRScheduler(warmup_steps=warmup_steps),
         parallelism=Parallelism(
-            data_parallel_shard_degree=-1, tensor_parallel_degree=tensor_parallel_degree
+            data_parallel_shard_degree=-1,
+            tensor_parallel_degree=tensor_parallel_degree,
+            expert_parallel_degree=expert_parallel_degree,
         ),
         checkpoint=Checkpoint(enable=True, interval=500, last_save_model_only=True),
         activation_checkpoint=ActivationCheckpoint(mode=ac_mode, selective_ac_option="op"),

@@ -7,10 +7,14 @@ sizes (``model.flavor``) are defined in ``flavors.py``.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 from titan_core.config.job import JobConfig
 from titan_core.models.common.recipes import debug_recipe, gpu_recipe, tiny_recipe
+
+_deepseek_v3_gpu_recipe = functools.partial(
+    gpu_recipe, "deepseek_v3", "DeepSeek-V3", ac_mode="full"
+)
 
 
 def deepseek_v3_debugmodel() -> JobConfig:
@@ -23,28 +27,17 @@ def deepseek_v3_debugmodel_tiny() -> JobConfig:
     return tiny_recipe("deepseek_v3", "DeepSeek-V3")
 
 
-def _with_ep(cfg: JobConfig, ep: int) -> JobConfig:
-    return dataclasses.replace(
-        cfg, parallelism=dataclasses.replace(cfg.parallelism, expert_parallel_degree=ep)
-    )
-
-
 def deepseek_v3_16b_a3b() -> JobConfig:
     """Moonlight-16B-A3B's shape on GPUs: experts over 8 ranks (EP 8), FSDP across, full AC."""
-    cfg = gpu_recipe("deepseek_v3", "DeepSeek-V3", "16B-A3B", lr=2.2e-4, ac_mode="full")
-    return _with_ep(cfg, 8)
+    return _deepseek_v3_gpu_recipe("16B-A3B", lr=2.2e-4, expert_parallel_degree=8)
 
 
 def deepseek_v3_671b_a37b() -> JobConfig:
     """DeepSeek-V3 671B-A37B: experts over 64 ranks (EP 64), FSDP across, full AC, 4096
     tokens (its pre-training context; YaRN extends it)."""
-    cfg = gpu_recipe(
-        "deepseek_v3", "DeepSeek-V3", "671B-A37B", lr=2.2e-4, ac_mode="full", seq_len=4096
-    )
-    return _with_ep(cfg, 64)
+    return _deepseek_v3_gpu_recipe("671B-A37B", lr=2.2e-4, seq_len=4096, expert_parallel_degree=64)
 
 
 def deepseek_v3_1t_a32b() -> JobConfig:
     """Kimi K2 1T-A32B's shape: experts over 64 ranks (EP 64), FSDP across, full AC."""
-    cfg = gpu_recipe("deepseek_v3", "DeepSeek-V3", "1T-A32B", lr=2e-4, ac_mode="full", seq_len=4096)
-    return _with_ep(cfg, 64)
+    return _deepseek_v3_gpu_recipe("1T-A32B", lr=2e-4, seq_len=4096, expert_parallel_degree=64)

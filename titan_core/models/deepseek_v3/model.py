@@ -19,10 +19,9 @@ from torch import nn
 
 from titan_core.errors import ConfigError
 from titan_core.models.common.decoder import Decoder, DecoderArgs, DecoderBlock
-from titan_core.models.common.feed_forward import FeedForward
 from titan_core.models.common.masking import AttentionMask, document_mask, document_positions
 from titan_core.models.common.mla import MultiHeadLatentAttention
-from titan_core.models.common.moe import MoE, MoEArgs, add_loss_gradient
+from titan_core.models.common.moe import MoEArgs, add_loss_gradient
 from titan_core.models.common.mtp import IGNORE, MTPInput, mtp_losses
 from titan_core.models.common.mtp import labels_ahead as mtp_labels_ahead
 from titan_core.models.common.rmsnorm import RMSNorm
@@ -192,8 +191,7 @@ class DeepseekV3Block(DecoderBlock):
     """Pre-norm layer: MLA, then a dense SwiGLU or the MoE (``first_k_dense_replace``)."""
 
     def __init__(self, layer_id: int, args: DeepseekV3ModelArgs) -> None:
-        nn.Module.__init__(self)  # DecoderBlock's forward and init, MLA in place of GQA
-        self.attention = MultiHeadLatentAttention(
+        mla = MultiHeadLatentAttention(
             args.dim,
             args.n_heads,
             q_lora_rank=args.q_lora_rank,
@@ -203,16 +201,7 @@ class DeepseekV3Block(DecoderBlock):
             v_head_dim=args.v_head_dim,
             softmax_scale=args.softmax_scale,
         )
-        self.feed_forward: FeedForward | None = None
-        self.moe: MoE | None = None
-        if args.moe is not None and args.moe_layer(layer_id):
-            self.moe = MoE(args.dim, args.moe)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+        super().__init__(layer_id, args, attention=mla)  # type: ignore[arg-type]
 
 
 class DeepseekV3MTPBlock(DeepseekV3Block):

@@ -7,10 +7,12 @@ sizes (``model.flavor``) are defined in ``flavors.py``.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 from titan_core.config.job import JobConfig
 from titan_core.models.common.recipes import debug_recipe, gpu_recipe, tiny_recipe
+
+_qwen3_moe_gpu_recipe = functools.partial(gpu_recipe, "qwen3_moe", "Qwen3-MoE", ac_mode="full")
 
 
 def qwen3_moe_debugmodel() -> JobConfig:
@@ -23,26 +25,13 @@ def qwen3_moe_debugmodel_tiny() -> JobConfig:
     return tiny_recipe("qwen3_moe", "Qwen3-MoE")
 
 
-def _with_ep(cfg: JobConfig, ep: int) -> JobConfig:
-    return dataclasses.replace(
-        cfg, parallelism=dataclasses.replace(cfg.parallelism, expert_parallel_degree=ep)
-    )
-
-
 def qwen3_moe_30b_a3b() -> JobConfig:
     """Qwen3-30B-A3B on GPUs: experts over 8 ranks (EP 8), FSDP across, full AC."""
-    cfg = gpu_recipe("qwen3_moe", "Qwen3-MoE", "30B-A3B", lr=3e-4, ac_mode="full")
-    return _with_ep(cfg, 8)
+    return _qwen3_moe_gpu_recipe("30B-A3B", lr=3e-4, expert_parallel_degree=8)
 
 
 def qwen3_moe_235b_a22b() -> JobConfig:
     """Qwen3-235B-A22B: TP 4 inside a node, experts over 8 ranks, FSDP across, full AC."""
-    cfg = gpu_recipe(
-        "qwen3_moe",
-        "Qwen3-MoE",
-        "235B-A22B",
-        lr=1.5e-4,
-        ac_mode="full",
-        tensor_parallel_degree=4,
+    return _qwen3_moe_gpu_recipe(
+        "235B-A22B", lr=1.5e-4, tensor_parallel_degree=4, expert_parallel_degree=8
     )
-    return _with_ep(cfg, 8)
