@@ -57,17 +57,21 @@ def _train(
 
 def _losses(dump: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}  # not evaluation rows
 
 
 def test_replica_groups_train_as_hsdp_and_resume_from_storage(tmp_path: Path, dataset: str) -> None:
     """Without failures the groups' losses are those of a plain HSDP run (dp_replicate 2) from
     the same seed; when every group died (both killed before step 6, no restarts left), the
     next job resumes from the checkpoint that the lowest group alone saved, on the
-    uninterrupted run's losses, and stops where a stop request asks (all groups at one step)."""
-    hsdp = _train(tmp_path / "hsdp", dataset, 8, *GROUPS)
+    uninterrupted run's losses, and stops where a stop request asks (all groups at one step).
+    In-loop evaluation runs inside each group (its batches shared by the group's ranks) and
+    gives the HSDP run's numbers, at step 4 and at the stop."""
+    evals = ["--evaluators.sets", "corpus=heldout:titan_corpus?batches=3", "--evaluators.freq"]
+    evals += ["4", "--evaluators.batch_size", "2"]
+    hsdp = _train(tmp_path / "hsdp", dataset, 8, *GROUPS, *evals)
     assert hsdp.returncode == 0, hsdp.stdout[-3000:]
-    saves = ["--checkpoint.interval", "4"]
+    saves = ["--checkpoint.interval", "4", *evals]
     first = _train(tmp_path / "ft", dataset, 8, *FT, *saves, env={KILL_ENV: "0,1:6"})
     assert first.returncode == 1, first.stdout[-3000:]
     assert "2 of 2 replica groups live" in first.stdout
@@ -91,7 +95,16 @@ def test_replica_groups_train_as_hsdp_and_resume_from_storage(tmp_path: Path, da
     rows = [
         json.loads(line) for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert rows[-1]["ft/live_groups"] == 2 and rows[-1]["ft/steps_redone"] == 0
+    last = [r for r in rows if "ft/live_groups" in r][-1]
+    assert last["ft/live_groups"] == 2 and last["ft/steps_redone"] == 0
+    evaluated = {r["step"]: r["eval/corpus/loss"] for r in rows if "eval/corpus/loss" in r}
+    plain = {
+        r["step"]: r["eval/corpus/loss"]
+        for r in map(json.loads, (tmp_path / "hsdp" / "metrics.jsonl").read_text().splitlines())
+        if "eval/corpus/loss" in r
+    }
+    assert sorted(plain) == [4, 8] and sorted(evaluated) == [4, 5], (plain, evaluated)
+    assert evaluated[4] == pytest.approx(plain[4], rel=1e-5)
 
 
 def test_a_killed_group_heals_from_its_peer_and_rejoins(tmp_path: Path, dataset: str) -> None:
