@@ -268,6 +268,28 @@ class _RandomModel(torch.nn.Module):
         return torch.randn(*inputs.shape, 8)
 
 
+def test_a_prepared_datasets_heldout_set_scores_as_validation_does(
+    tmp_path: Path, prepared_corpus: str
+) -> None:
+    """A held-out evaluator on a prepared dataset (one source of a mix, say) reads its
+    validation split as validation does: over the same batches, the same loss, at every step
+    both ran."""
+    dump = tmp_path / "run"
+    argv = [*_args(dump, "--dataloader.dataset", prepared_corpus, "--checkpoint.no_enable")]
+    argv = [a for a in argv if a != "--validation.no_enable"]
+    argv += ["--validation.enable", "--validation.dataset", prepared_corpus]
+    argv += ["--validation.freq", "2", "--validation.steps", "3"]
+    argv += ["--evaluators.sets", f"mine=heldout:{prepared_corpus}?batches=3"]
+    argv += ["--evaluators.freq", "2"]
+    run(parse_args(argv))
+    rows = _rows(dump)
+    validation = {r["step"]: r["validation/loss"] for r in rows if "validation/loss" in r}
+    heldout = {r["step"]: r["eval/mine/loss"] for r in rows if "eval/mine/loss" in r}
+    assert sorted(heldout) == sorted(validation) == [2, 4, 5], (heldout, validation)
+    for step, loss in validation.items():
+        assert heldout[step] == pytest.approx(loss, rel=1e-5), step
+
+
 def test_evaluation_leaves_every_rng_where_it_was() -> None:
     from titan_core.config.job import Evaluators as EvaluatorsConfig
 
