@@ -306,7 +306,7 @@ def test_compare_with_the_pipelines_recipe_reads_its_default_store(
     code = titan_main(["compare", "--config", recipe, "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    result = json.loads(out[out.index("{") :])
+    result = json.loads(out)  # stdout is the JSON alone: logs go to stderr
     assert result["experiment"] == "titan" and result["tracking_uri"] == f"sqlite:///{store}"
     assert [r["run_id"] for r in result["runs"]] == [run_id]
     state = compare(recipe=recipe, runs=["only"], return_state=True)

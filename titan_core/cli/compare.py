@@ -15,6 +15,7 @@ in the middle. The loss curves are in the flow run's Prefect artifact.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated
 from titan_core.cli.command import Command, default, run
 from titan_core.cli.pipeline import RENAMED_FLAGS, flow_kwargs, prepare_prefect_env
 from titan_core.errors import ConfigError
+from titan_core.logging import logs_to_stderr
 from titan_core.pipeline.compare import (
     Comparison,
     compare_target,
@@ -104,13 +106,14 @@ def _compare(argv: list[str]) -> int:
     prepare_prefect_env()
     from flows.compare import compare
 
-    result = compare(
-        **kwargs,
-        runs=ns.runs or None,
-        max_runs=ns.max_runs,
-        log=ns.log,
-        parent_run_id=ns.parent_run_id,
-    )
+    with logs_to_stderr() if ns.json else contextlib.nullcontext():  # stdout: the JSON alone
+        result = compare(
+            **kwargs,
+            runs=ns.runs or None,
+            max_runs=ns.max_runs,
+            log=ns.log,
+            parent_run_id=ns.parent_run_id,
+        )
     if ns.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
