@@ -281,3 +281,22 @@ def _two_rank_worker(rank: int, world: int, port: int, folder: str) -> None:
 @pytest.mark.multiprocess
 def test_two_ranks_fall_back_together_whichever_file_changed(tmp_path: Path) -> None:
     mp.spawn(_two_rank_worker, args=(2, free_port(), str(tmp_path / "ckpt")), nprocs=2)
+
+
+def test_a_background_save_commits_the_health_mark_it_was_staged_with(tmp_path: Path) -> None:
+    """An async save commits when the next save point begins (or at the end), after the
+    trainer has set the next point's health mark: each marker still holds its own state's."""
+    saver = CheckpointManager(
+        _config(async_mode="async"), str(tmp_path / "run"), _states(1.0), rank=0, world_size=1
+    )
+    saver.health = {"healthy": True, "step": 1}
+    saver.save(1)  # staged; written in the background
+    saver.health = {"healthy": False, "step": 2}  # the next point's mark, set before it saves
+    saver.states = _states(2.0)
+    saver.save(2)  # waits for step 1's write and commits it first
+    saver.close()
+    for step in (1, 2):
+        marker = json.loads(
+            (tmp_path / "run" / "checkpoint" / f"step-{step}" / COMMIT_MARKER).read_text()
+        )
+        assert marker["health"] == {"healthy": step == 1, "step": step}, (step, marker)

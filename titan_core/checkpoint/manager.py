@@ -205,7 +205,7 @@ class CheckpointManager:
         self.folder = storage.resolve(dump_folder, cfg.folder)
         self.states = states
         self.rank = rank
-        self._pending: tuple[Future, int, bool, DcpWriter] | None = None
+        self._pending: tuple[Future, int, bool, DcpWriter, dict[str, Any] | None] | None = None
         self._staging: Future | None = None
         self.skipped: list[tuple[int, str]] = []
         """Damaged steps ``load`` passed over, newest first, with why."""
@@ -451,7 +451,9 @@ class CheckpointManager:
                 self._stager_spent = STAGER_SINGLE_USE
                 self._staging = result.staging_completion
                 result = result.upload_completion
-            self._pending = (result, step, model_only, writer)
+            # The mark of the state staged now: the next save point may set another before this
+            # save commits.
+            self._pending = (result, step, model_only, writer, self.health)
             logger.info(
                 "Staged checkpoint %s in %.2fs (writing in background)",
                 path,
@@ -465,10 +467,19 @@ class CheckpointManager:
             "model": {k: v.to(dtype) if v.is_floating_point() else v for k, v in model_sd.items()}
         }
 
-    def _commit(self, path: str, step: int, model_only: bool, files: dict[str, FileEntry]) -> None:
+    def _commit(
+        self,
+        path: str,
+        step: int,
+        model_only: bool,
+        files: dict[str, FileEntry],
+        health: dict[str, Any] | None = None,
+    ) -> None:
         """Rank 0: write the commit marker of ``path``, with ``files`` (each file's size and
         checksum, from the coordinator's writer: no collective, so that an async save commits
-        on rank 0 alone)."""
+        on rank 0 alone) and ``health``, the step guard's mark of the state saved (default:
+        the current one, for a save that commits as it is written)."""
+        health = self.health if health is None else health
         if os.environ.get(FAULT_ENV) == str(step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.rank == 0:
@@ -476,8 +487,8 @@ class CheckpointManager:
             marker["files"] = files
             if self.model_description is not None:
                 marker["model"] = self.model_description
-            if self.health is not None and path != self.seed_dir:
-                marker["health"] = self.health
+            if health is not None and path != self.seed_dir:
+                marker["health"] = health
             storage.write_text(storage.join(path, COMMIT_MARKER), json.dumps(marker))
             if path != self.seed_dir:
                 self._purge(step)
@@ -546,7 +557,7 @@ class CheckpointManager:
         """Block until a pending background save is written, then commit it."""
         if self._pending is None:
             return
-        future, step, model_only, writer = self._pending
+        future, step, model_only, writer, health = self._pending
         self._pending = None
         try:
             future.result()
@@ -556,7 +567,7 @@ class CheckpointManager:
             if why.startswith(NO_SPACE):
                 self._free_before_save(step)  # room for the next save, after a restart
             raise CheckpointError(f"checkpoint: saving {path} failed: {why}") from None
-        self._commit(self.step_dir(step), step, model_only, writer.files)
+        self._commit(self.step_dir(step), step, model_only, writer.files, health)
         logger.info("Background checkpoint step-%d committed", step)
 
     def close(self) -> None:
