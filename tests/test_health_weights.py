@@ -23,6 +23,7 @@ from helpers import TINY, checkpoint_tensors, titan_in_process
 from titan_core.checkpoint.manager import COMMIT_MARKER, CheckpointManager, complete_steps
 from titan_core.components.health import HealthStop
 from titan_core.config.job import Checkpoint
+from titan_core.errors import CheckpointError
 from titan_core.resolve import parse_args
 from titan_core.train import run
 
@@ -100,12 +101,12 @@ def test_from_scratch_the_stop_says_there_is_no_checkpoint(
 
 
 def test_without_the_guard_retention_keeps_the_newest_healthy_checkpoint(
-    tmp_path: Path, assets: Path
+    tmp_path: Path, assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """Guard off: the saves after the overflow are kept, marked unhealthy, but keep_latest_k
-    (2) does not delete step 4, the newest healthy one. A run with the guard on that resumes
-    the unhealthy step 8 stops at its first step (the one after a save) and points back at
-    step 4."""
+    (2) does not delete step 4, the newest healthy one. A run that resumes passes over the
+    unhealthy steps 8 and 6, saying so, and trains on from step 4 with finite weights; asked
+    for step 8 by name, it refuses in one line."""
     argv = _args(tmp_path, "--health.no_enable", "--debug.drill", "--debug.inject",
                  "overflow_update:5")  # fmt: skip
     run(parse_args(argv))
@@ -116,14 +117,17 @@ def test_without_the_guard_retention_keeps_the_newest_healthy_checkpoint(
     for step in (6, 8):
         assert _health(folder / f"step-{step}") == {"healthy": False, "guard": False}
         assert _nonfinite(folder / f"step-{step}")
-    with pytest.raises(HealthStop) as stop:
-        run(parse_args(_args(tmp_path, "--training.steps", "12")))
-    assert str(stop.value).startswith("health: step 9: nonfinite weights")
-    assert str(stop.value).endswith(
-        f"; newest healthy checkpoint: {folder}/step-4 (newer ones hold non-finite weights: "
-        "resume with --checkpoint.load_step 4)"
-    )
-    assert complete_steps(str(folder)) == [4, 6, 8]
+    with pytest.raises(CheckpointError, match=r"^checkpoint\.load_step: .*step-8 holds non-finite"):
+        run(parse_args(_args(tmp_path, "--training.steps", "12", "--checkpoint.load_step", "8")))
+    capsys.readouterr()
+    logged = run(parse_args(_args(tmp_path, "--training.steps", "12")))
+    out = capsys.readouterr().out
+    for step in (8, 6):
+        assert f"Checkpoint step-{step} is unhealthy, not loaded: its commit marker says" in out
+    assert [m["step"] for m in logged] == list(range(5, 13))
+    assert all(math.isfinite(m["loss"]) for m in logged)
+    assert complete_steps(str(folder)) == [10, 12]
+    assert _health(folder / "step-12")["healthy"] is True and _nonfinite(folder / "step-12") == []
 
 
 def test_freeing_room_for_a_save_never_removes_the_newest_healthy_checkpoint(

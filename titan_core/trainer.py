@@ -484,8 +484,8 @@ class Trainer:
                 return "no healthy checkpoint: every one holds non-finite weights"
             return "no checkpoint of this run was saved"
         where = self.checkpointer.seed_dir if healthy == 0 else self.checkpointer.step_dir(healthy)
-        if steps and steps[-1] > healthy:  # a resume would load the newer, unhealthy one
-            how = f": resume with --checkpoint.load_step {healthy}" if healthy else ""
+        if steps and steps[-1] > healthy:  # a resume passes over the newer, unhealthy ones
+            how = ": a resume passes over them" if healthy else ""
             return f"newest healthy checkpoint: {where} (newer ones hold non-finite weights{how})"
         return f"newest checkpoint (healthy): {where}"
 

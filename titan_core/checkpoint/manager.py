@@ -271,19 +271,25 @@ class CheckpointManager:
             path = self.step_dir(self.cfg.load_step)
             if (why := self._damage(path)) is not None:
                 raise CheckpointError(f"checkpoint.load_step: {why}")
+            check_healthy(path, read_marker(path), "checkpoint.load_step")
             return self._load_dir(path)
-        # The newest whole step: a damaged one (cut short by a full disk, a bad copy) is said
-        # and passed over, never loaded halfway.
+        # The newest whole, healthy step: a damaged one (cut short by a full disk, a bad copy)
+        # is said and passed over, never loaded halfway; so is one whose marker says its
+        # weights were not finite (saved with health.enable off): training on from it would
+        # only carry the NaNs on.
         for step in reversed(steps):
-            why = self._damage(self.step_dir(step))
+            what, why = "damaged", self._damage(self.step_dir(step))
+            if why is None and is_unhealthy(read_marker(self.step_dir(step))):
+                what, why = "unhealthy", "its commit marker says its weights are not finite"
             if why is None:
                 return self._load_dir(self.step_dir(step))
             self.skipped.append((step, why))
-            logger.warning("Checkpoint step-%d is damaged, not loaded: %s", step, why)
+            logger.warning("Checkpoint step-%d is %s, not loaded: %s", step, what, why)
         if steps:
             raise CheckpointError(
-                f"checkpoint: every complete step in {self.folder} is damaged (newest: "
-                f"{self.skipped[0][1]}); restore one, or set checkpoint.folder to start over"
+                f"checkpoint: every complete step in {self.folder} is damaged or unhealthy "
+                f"(newest: {self.skipped[0][1]}); restore one, or set checkpoint.folder to "
+                "start over"
             )
         if read_marker(self.seed_dir) is not None:
             if (why := self._damage(self.seed_dir)) is not None:
