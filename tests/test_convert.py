@@ -37,7 +37,7 @@ from titan_core import storage
 from titan_core.build import build_model_args
 from titan_core.checkpoint.dcp_io import dcp_reader
 from titan_core.checkpoint.hf_weights import model_args_from_hf_config
-from titan_core.checkpoint.manager import COMMIT_MARKER
+from titan_core.checkpoint.manager import COMMIT_MARKER, damage
 from titan_core.cli import convert as cli
 from titan_core.config.job import JobConfig
 from titan_core.config.schema import apply_values
@@ -108,6 +108,15 @@ def test_round_trip_is_bitwise(job: dict[str, Any], exported: Path, tmp_path: Pa
     assert cli.main(["hf-to-dcp", "--hf", str(exported), "--output", str(tmp_path / "dcp")]) == 0
     marker = json.loads((tmp_path / "dcp" / COMMIT_MARKER).read_text())
     assert marker["step"] == 0 and marker["model_only"] is True
+    # Checksums as a training save's: a changed byte is named before anything loads it.
+    assert set(marker["files"]) == {p.name for p in (tmp_path / "dcp").iterdir()} - {COMMIT_MARKER}
+    assert damage(str(tmp_path / "dcp")) is None
+    shutil.copytree(tmp_path / "dcp", tmp_path / "flipped")
+    data = next((tmp_path / "flipped").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert "checksum mismatch" in (damage(str(tmp_path / "flipped")) or "")
     original = dcp_model(str(job["step"]))
     assert original["tok_embeddings.weight"].dtype == torch.float32
     assert_bitwise(dcp_model(str(tmp_path / "dcp")), original)

@@ -53,6 +53,7 @@ def hf_to_dcp(hf: str, output: str, *, model_args: Any | None = None) -> Any:
             writer = dcp_writer(out.staging)
             dcp.save({"model": state_dict}, storage_writer=writer, no_dist=True)
         marker = {"step": 0, "model_only": True, "time": time.time(), "source": hf, "model": model}
+        marker["files"] = writer.files  # each file's size and checksum, verified before a load
         storage.write_text(storage.join(out.staging, COMMIT_MARKER), json.dumps(marker))
     nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
     logger.info("Wrote DCP checkpoint %s (%s) from %s", output, format_size(nbytes), hf)
