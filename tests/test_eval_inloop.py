@@ -194,27 +194,36 @@ def test_the_evaluate_flow_summarises_the_evaluators(
     import asyncio
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
 
     from flows.evaluate import evaluate
 
     (last,) = [r for r in _rows(runs["on"]) if r["step"] == STEPS and "eval/lc/acc" in r]
-    result = evaluate(
+    state = evaluate(
         checkpoint=str(runs["on"] / "checkpoint"),
         output=str(tmp_path),
         overrides={"evaluate.batches": 1, "evaluate.prompts": []},
+        return_state=True,
     )
+    result = state.result()
     assert result.metrics["lc/acc"] == pytest.approx(last["eval/lc/acc"], rel=1e-5)
     assert result.metrics["corpus/bits_per_byte"] == pytest.approx(
         last["eval/corpus/bits_per_byte"], rel=1e-5
     )
 
-    async def by_key() -> str:
+    async def by_key() -> str:  # this flow run's report (the session's server holds others)
         async with get_client() as client:
-            found = await client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["evaluation-report"]))
+            (found,) = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(
+                    key=ArtifactFilterKey(any_=["evaluation-report"]),
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+                )
             )
-            return found[-1].data
+            return found.data
 
     text = asyncio.run(by_key())
     assert "## Evaluators" in text and "eval/lc/acc" in text
