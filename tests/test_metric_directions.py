@@ -129,6 +129,33 @@ def test_a_champion_without_the_gate_metric_is_beaten(tmp_path: Path) -> None:
     assert str(client.get_model_version_by_alias("line", "champion").version) == "2"
 
 
+@pytest.mark.parametrize(("gate", "expected"), [("eval/loss", "3"), ("eval/ns/acc", "1")])
+def test_settling_replays_the_rule_over_versions_published_at_once(
+    tmp_path: Path, gate: str, expected: str
+) -> None:
+    """Three trials published at once and the slowest, not the best, wrote @champion last:
+    settling replays the rule in registration order and points the alias at the version a
+    sequence of publishes would have kept (ties keep the first); a version whose run never
+    logged the metric is passed over."""
+    from titan_core.pipeline.stages.publish import settle_champion
+
+    client, tracking, _, _ = _versions(tmp_path)  # v1: loss 3.0 acc 0.5; v2: 2.5, 0.3
+    experiment = (
+        client.get_experiment_by_name("line")
+        or client.get_run(client.get_model_version("line", "1").run_id).info
+    )
+    experiment_id = getattr(experiment, "experiment_id", None)
+    for metrics in ({"eval/loss": 2.0, "eval/ns/acc": 0.5}, {}, {"eval/loss": 2.0}):
+        run = client.create_run(experiment_id).info.run_id
+        for key, value in metrics.items():
+            client.log_metric(run, key, value, step=10)
+        client.create_model_version("line", source=str(tmp_path), run_id=run)
+    client.set_registered_model_alias("line", "champion", "5")  # the last to write
+    assert settle_champion(tracking, "line", gate) == expected
+    assert str(client.get_model_version_by_alias("line", "champion").version) == expected
+    assert settle_champion(tracking, "line", "eval/other/acc") == ""  # nobody logged it
+
+
 # --- sweeps: the best trial and early stopping in the metric's direction --------------------
 
 

@@ -164,6 +164,29 @@ def promote_if_better(
     return better, previous
 
 
+def settle_champion(tracking: TrackingContext, name: str, metric: str = GATE_METRIC) -> str:
+    """Point ``champion`` where the champion rule, applied to ``name``'s versions one after
+    another in the order they were registered, leaves it; returns that version ("" when none
+    logged ``metric``). Runs that publish at once (a sweep's trials) each apply the rule to the
+    champion they read, so the last to write wins even when it is worse; replaying the rule
+    afterwards gives the alias the one place a sequence of publishes would have."""
+    mlflow_client = client(tracking.uri)
+    versions = sorted(
+        mlflow_client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)
+    )
+    champion, best = "", None
+    for version in versions:
+        try:
+            value = mlflow_client.get_run(version.run_id).data.metrics.get(metric)
+        except Exception:  # the run was deleted: nothing to compare
+            value = None
+        if value is not None and is_better(metric, float(value), best):
+            champion, best = str(version.version), float(value)
+    if champion:
+        mlflow_client.set_registered_model_alias(name, CHAMPION, champion)
+    return champion
+
+
 DRILL_NOTE = "none: a drill (debug.drill) registers no model version and moves no alias"
 
 

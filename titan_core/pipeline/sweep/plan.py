@@ -258,6 +258,7 @@ class SweepPlan:
     root: str  # the output root every trial writes under, absolute (job.dump_folder)
     pinned: tuple[tuple[str, Any], ...]  # where trials record: the same for every trial
     early_stop: EarlyStopping = field(default_factory=EarlyStopping)
+    champion_metric: str = "eval/loss"  # the trials' champion rule (tracking.champion_metric)
 
     def overrides(self, trial: Trial) -> dict[str, Any]:
         """The trial's overrides: the base's, the sweep's pinned root, tracking store and
@@ -343,6 +344,7 @@ def plan_sweep(
         root=root,
         pinned=tuple(pinned.items()),
         early_stop=rule,
+        champion_metric=cfg.tracking.champion_metric,
     )
     for trial in plan.trials:
         try:

@@ -41,6 +41,7 @@ from titan_core.pipeline.run.tracking import (
     log_params,
     resolve_tracking_uri,
 )
+from titan_core.pipeline.stages.publish import settle_champion
 from titan_core.pipeline.stages.training import STOPPED_TAG
 from titan_core.pipeline.sweep.plan import BEST_ALIAS, SweepPlan, TrialOutcome
 from titan_core.pipeline.sweep.report import (
@@ -230,7 +231,8 @@ def write_report(
 def alias_best(tracking: TrackingContext, plan: SweepPlan, best: TrialRow | None) -> str:
     """Point ``sweep-best`` at the best trial's model version (tagged with the sweep id and its
     metric); returns the alias, or "" when no trial registered a version. The model's other
-    alias, ``champion``, is moved by the trials' own publish stages (the champion rule)."""
+    alias, ``champion``, is moved by the trials' own publish stages (the champion rule) and
+    settled once they are all done (``settle_champion``)."""
     if best is None or not best.model_version:
         return ""
     mlflow_client = client(tracking.uri)
@@ -266,6 +268,8 @@ def record_comparison(
     if best is not None and best.mlflow_run_id:  # what `titan compare` marks (best)
         client(tracking.uri).set_tag(best.mlflow_run_id, SWEEP_BEST_TAG, "true")
     alias = alias_best(tracking, plan, best)
+    # The trials published at once, each moving @champion by the value it read: replay the rule.
+    settle_champion(tracking, plan.model_name, plan.champion_metric)
     if best is not None and best.metric is not None:
         client(tracking.uri).log_metric(tracking.parent_run_id, f"best/{plan.metric}", best.metric)
     return SweepResult(
