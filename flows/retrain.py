@@ -4,7 +4,8 @@ A model line is ``<job.dump_folder>/<experiment>/``: every run of the experiment
 complete checkpoint among them (by commit time) seeds a new run that trains ``steps`` more
 steps with the previous run's config (plus any overrides, e.g. new data), is exported and
 evaluated, and becomes a new model version; the ``champion`` alias moves to it only when its
-eval loss beats the champion's.
+``tracking.champion_metric`` (default the eval loss; e.g. ``eval/<task>/acc`` of an evaluator)
+beats the champion's.
 
 With ``data.sources`` the run prepares them first (``prepare_data``: only files that arrived since
 are tokenized) and trains on the prepared dataset; when it grew since the checkpoint's run, the

@@ -9,6 +9,7 @@ import math
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -469,3 +470,67 @@ def test_layouts_score_as_one_process(layout: str, tmp_path: Path, task_file: Pa
     for key, value in expected.items():
         if not key.endswith("/seconds"):
             assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+
+
+def _length_task(path: Path, gold_short: bool) -> Path:
+    """12 questions of one short and one long choice: the raw sum of log-likelihoods prefers the
+    one-word choice by far for any model this small, so ``acc`` is 1.0 when the short one is
+    gold and 0.0 when the long one is, whatever the training did."""
+    short, long = " yes.", " and then the whole of the rest of the story, told again at length."
+    rows = [
+        {
+            "context": f"Question {i}: is it so?",
+            "choices": [short, long],
+            "gold": 0 if gold_short else 1,
+        }
+        for i in range(12)
+    ]
+    _write(path, rows)
+    return path
+
+
+def test_retrain_gated_on_accuracy_keeps_the_more_accurate_champion(
+    prefect_harness: Path, tmp_path: Path, assets: Path
+) -> None:
+    """The retrain flow told to gate on a task's accuracy (``tracking.champion_metric``): its
+    candidate trains on, so its eval loss is lower, but scores worse on the task, and the
+    champion stays where it was."""
+    from mlflow import MlflowClient
+    from pipeline_helpers import run_flow, tiny_values
+
+    from flows.pipeline import pretrain_pipeline
+    from flows.retrain import retrain
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = {"job": {"dump_folder": str(tmp_path / "line"), "experiment": "gate"}}
+    config["tracking"] = {"uri": uri, "champion_metric": "eval/lc/acc"}
+
+    def gated(task: Path) -> dict[str, Any]:
+        return tiny_values(steps=2, nproc=1) | {
+            "evaluators.sets": [f"lc=task:{task}"],
+            "evaluate.batches": 2,
+        }
+
+    state, _ = run_flow(
+        pretrain_pipeline,
+        recipe="llama3_debugmodel_tiny",
+        config=config,
+        overrides=gated(_length_task(tmp_path / "easy.jsonl", gold_short=True)),
+    )
+    assert state.is_completed(), state.message
+    first = state.result()
+    assert first["champion"] and first["metrics"]["eval/lc/acc"] == 1.0
+    state, _ = run_flow(
+        retrain,
+        steps=2,
+        recipe="llama3_debugmodel_tiny",
+        config=config,
+        overrides=gated(_length_task(tmp_path / "hard.jsonl", gold_short=False)),
+    )
+    assert state.is_completed(), state.message
+    second = state.result()
+    assert second["metrics"]["eval/lc/acc"] == 0.0
+    assert second["metrics"]["eval/loss"] < first["metrics"]["eval/loss"]  # better on loss
+    assert second["champion"] is False
+    champion = MlflowClient(uri).get_model_version_by_alias("gate", "champion")
+    assert str(champion.version) == str(first["model_version"])
