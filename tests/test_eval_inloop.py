@@ -4,6 +4,7 @@ checkpoint afterwards, and bad input refused in one line before anything starts.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -432,7 +433,7 @@ def test_fsdp_two_ranks_shard_the_evaluation(tmp_path: Path, task_file: Path) ->
 
 P = "--parallelism."
 QWEN3_MOE = ["--module", "qwen3_moe", "--config", "qwen3_moe_debugmodel_tiny"]
-LAYOUTS = {  # (model, parallelism) on 2 ranks; 4 layers: 2 virtual stages per PP rank
+LAYOUTS = {  # (model, parallelism) on 2 ranks (4 for two degrees); 4 layers
     "TP 2": (TINY, [f"{P}tensor_parallel_degree", "2"]),
     "TP 2 no loss parallel": (
         TINY,
@@ -441,6 +442,19 @@ LAYOUTS = {  # (model, parallelism) on 2 ranks; 4 layers: 2 virtual stages per P
     "CP 2": (TINY, [f"{P}context_parallel_degree", "2"]),
     "PP 2": (TINY, [f"{P}pipeline_parallel_degree", "2"]),
     "EP 2": (QWEN3_MOE, [f"{P}expert_parallel_degree", "2", "--dataloader.streams", "2"]),
+    # 4 ranks: data parallel shares the batches out, each pair's last stage scores them.
+    "FSDP 2 x PP 2": (
+        TINY,
+        [
+            f"{P}data_parallel_shard_degree",
+            "2",
+            f"{P}pipeline_parallel_degree",
+            "2",
+            "--dataloader.streams",
+            "2",
+        ],
+    ),
+    "TP 2 x CP 2": (TINY, [f"{P}tensor_parallel_degree", "2", f"{P}context_parallel_degree", "2"]),
 }
 
 
@@ -460,7 +474,8 @@ def test_layouts_score_as_one_process(layout: str, tmp_path: Path, task_file: Pa
         "corpus=heldout:titan_corpus?batches=2",
     ]
     evals = ["--evaluators.sets", *sets]
-    launch_job([*base, *parallel, *evals], dump, backend="local", nproc_per_node=2)
+    nproc = math.prod(int(v) for k, v in itertools.pairwise(parallel) if k.endswith("_degree"))
+    launch_job([*base, *parallel, *evals], dump, backend="local", nproc_per_node=nproc)
     (row,) = [r for r in _rows(dump) if "eval/lc/acc" in r]
     cfg = parse_args(base)
     tokenizer = Tokenizer(str(default_tokenizer_path()))
