@@ -235,6 +235,21 @@ def test_titan_demo_runs_the_pipeline_with_embedded_prefect(tmp_path: Path, asse
     assert (dataset / "manifest.json").exists()
     assert f"prepared dataset: {dataset} (8 train shards" in proc.stdout
     assert f'dataset = "{dataset}"' in (run_root / "config.toml").read_text()
+    # The demo's evaluators have curves in its MLflow store: two held-out sets and a task,
+    # before the first step and at the last, in the run that trained.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    experiment = client.get_experiment_by_name("demo")
+    names = ("eval/plays/loss", "eval/python/loss", "eval/lc/acc")
+    curves = [
+        {
+            name: sorted(m.step for m in client.get_metric_history(run.info.run_id, name))
+            for name in names
+        }
+        for run in client.search_runs([experiment.experiment_id])
+    ]  # the train stage's run has the curves; the evaluate stage's the final values
+    assert {name: [0, 2] for name in names} in curves, curves
 
 
 def test_s3_credentials_from_a_prefect_secret_block(
