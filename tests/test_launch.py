@@ -105,6 +105,11 @@ def _torchrun_report(exitcode: int, rank: int = 1) -> list[str]:
 def test_failures_map_to_clear_retryable_or_final_errors() -> None:
     killed = describe_failure(1, _torchrun_report(-int(signal.SIGKILL)))
     assert str(killed).startswith("training: rank 1 was killed by SIGKILL") and killed.retryable
+    segv = describe_failure(1, _torchrun_report(-int(signal.SIGSEGV), rank=3))
+    assert str(segv) == (
+        "training: rank 3 was killed by SIGSEGV (a crash in native code: the rank's log shows "
+        "its threads' Python stacks)"
+    )
     crashed = describe_failure(1, ["Traceback ...", *_torchrun_report(1, rank=0)])
     assert "rank 0 failed with exit code 1" in str(crashed) and crashed.retryable
     oom = describe_failure(1, ["torch.OutOfMemoryError: CUDA out of memory", *_torchrun_report(1)])

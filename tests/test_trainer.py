@@ -106,6 +106,31 @@ def test_kill_during_save_leaves_previous_step(tmp_path: Path, reference: dict[i
     assert complete_steps(str(ckpt)) == [4, 8, 12]
 
 
+def test_a_native_crash_prints_every_threads_python_stack(tmp_path: Path, assets: Path) -> None:
+    """A rank dying in native code (here a SIGSEGV sent once step 2 is logged) leaves the
+    Python stacks of its threads in its log, the training loop's among them."""
+    argv = [*_args(tmp_path / "run"), "--training.steps", "200"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "titan_core.train", *argv],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if re.search(r"step:\s+2\b", line):
+                proc.send_signal(signal.SIGSEGV)
+                break
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGSEGV, err[-2000:]
+    assert "Fatal Python error: Segmentation fault" in err, err[-2000:]
+    assert re.search(r"Current thread .*\n(.*\n)*.*titan_core/train\.py", err), err[-3000:]
+
+
 def test_keep_latest_k_and_final_model_only(tmp_path: Path, assets: Path) -> None:
     dump = tmp_path / "run"
     run(

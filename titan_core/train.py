@@ -5,6 +5,7 @@ torchrun --nproc_per_node=2 -m titan_core.train --module llama3 --config llama3_
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 
@@ -75,8 +76,14 @@ def _run(cfg: JobConfig, trainer: Trainer) -> list[dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one job; errors print one line on stderr and return 2 (input) or 3 (collective)."""
+    """Run one job; errors print one line on stderr and return 2 (input) or 3 (collective).
+
+    A crash in native code (a segmentation fault, glibc aborting on a corrupted heap) prints
+    every thread's Python stack on stderr before the process dies: where it happened, in the
+    rank's log."""
     init_logger()
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
     try:
         run(parse_args(argv))
     except TitanError as e:

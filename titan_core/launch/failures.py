@@ -109,6 +109,16 @@ def _user_error(tail: Sequence[str], naming: str = "") -> str | None:
     return None
 
 
+# Why a rank may have died of a signal, said after it.
+_SIGNAL_HINTS = {
+    signal.SIGKILL: " (out of memory, or killed from outside)",
+    **dict.fromkeys(
+        (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS),
+        " (a crash in native code: the rank's log shows its threads' Python stacks)",
+    ),
+}
+
+
 def describe_failure(returncode: int, tail: Sequence[str], what: str = "training") -> LaunchError:
     """The ``LaunchError`` for a launcher that exited with ``returncode``, given its output."""
     if returncode < 0:
@@ -141,7 +151,7 @@ def describe_failure(returncode: int, tail: Sequence[str], what: str = "training
             retryable=True,  # a launch that starts its own lighthouse; see replica_groups
         )
     if code < 0:
-        hint = " (out of memory, or killed from outside)" if -code == signal.SIGKILL else ""
+        hint = _SIGNAL_HINTS.get(-code, "")
         return LaunchError(
             f"{what}: {where} was killed by {signal_name(-code)}{hint}",
             returncode=returncode,
