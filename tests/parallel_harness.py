@@ -135,7 +135,7 @@ def train_layout(
         except NativeCrash as crash:
             if start != 1:  # resumed from a step checkpoint under `dump`: not rerunnable
                 raise
-            warnings.warn(f"layout rerun after a native crash: {crash.first_line}", stacklevel=2)
+            warnings.warn(f"layout rerun after a native crash:\n{crash.report}", stacklevel=2)
             shutil.rmtree(dump)
             shutil.copytree(seed, dump / "checkpoint" / "seed")
             out = run()
@@ -157,11 +157,14 @@ _CRASH_EXITS = {-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS}
 
 
 class NativeCrash(AssertionError):
-    """``launch_job``'s failure when a rank died of a native crash (``_NATIVE_CRASH_RE``)."""
+    """``launch_job``'s failure when a rank died of a native crash (``_NATIVE_CRASH_RE``);
+    ``report``: that rank's lines from the crash message on (its threads' Python stacks)."""
 
-    def __init__(self, message: str, first_line: str) -> None:
+    def __init__(self, message: str, lines: list[str], first: int) -> None:
         super().__init__(message)
-        self.first_line = first_line.strip()
+        tag = re.match(r"\[rank\d+\]:", lines[first])
+        mine = [line for line in lines[first:] if tag is None or line.startswith(tag.group())]
+        self.report = "\n".join(mine[:80])
 
 
 def launch_job(
@@ -198,9 +201,9 @@ def launch_job(
         get_launcher(settings).run(spec, collect)
     except LaunchError as e:
         message = f"{e}\n" + "\n".join(lines)[-8000:]
-        crash = next((line for line in lines if _NATIVE_CRASH_RE.search(line)), None)
+        crash = next((i for i, line in enumerate(lines) if _NATIVE_CRASH_RE.search(line)), None)
         if e.exitcode in _CRASH_EXITS and crash is not None:
-            raise NativeCrash(message, crash) from None
+            raise NativeCrash(message, lines, crash) from None
         raise AssertionError(message) from None
     # torchrun tags the lines; the engine's logger must not tag them again ([rank0]:[rank0]).
     # (torch's own warnings carry their own tag: only the engine's lines are checked.)

@@ -6,6 +6,7 @@ Tolerance 1e-5 relative: reductions in a different order change the last bits on
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,38 @@ def test_two_torchrun_agents_train_as_one_world(
     assert "[rank0]:" in two.output and "[rank1]:" in two.output  # both agents streamed
     assert two.losses == one  # same world, same collectives: bitwise equal
     assert_parity(two.losses, parity_reference, what="2 agents x 1 process")
+
+
+# Imported by every Python process started with the hook's folder on PYTHONPATH: rank 1 of the
+# first torchrun job there frees a block twice, and glibc aborts it (SIGABRT).
+_DOUBLE_FREE_ONCE = """
+import ctypes, os, pathlib
+marker = pathlib.Path(__file__).with_name("crashed")
+if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RUN_ID") and not marker.exists():
+    marker.touch()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    block = libc.malloc(32)
+    libc.free(block)
+    libc.free(block)
+"""
+
+
+def test_a_layout_is_rerun_once_after_a_native_crash(
+    tmp_path: Path, parity_seed: Path, parity_reference: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The harness's one rerun (``NativeCrash``): the first launch loses rank 1 to glibc's
+    double-free abort; the rerun, from a clean folder, gives the layout's losses, and pytest's
+    warning carries the crashed rank's lines."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_DOUBLE_FREE_ONCE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    with pytest.warns(UserWarning, match=r"native crash:\n\[rank1\]:free\(\): double free"):
+        run = train_layout(tmp_path / "run", parity_seed, nproc=2, dp=2, steps=3)
+    assert (hook / "crashed").exists()
+    assert_parity(run.losses, parity_reference, what="FSDP 2 after a rerun")
 
 
 @pytest.mark.slow
