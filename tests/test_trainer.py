@@ -128,7 +128,8 @@ def test_a_native_crash_prints_every_threads_python_stack(tmp_path: Path, assets
         proc.kill()
     assert proc.returncode == -signal.SIGSEGV, err[-2000:]
     assert "Fatal Python error: Segmentation fault" in err, err[-2000:]
-    assert re.search(r"Current thread .*\n(.*\n)*.*titan_core/train\.py", err), err[-3000:]
+    # every thread's stack, whichever thread took the signal: the main one runs the loop
+    assert "Current thread" in err and 'titan_core/train.py", line' in err, err[-3000:]
 
 
 def test_keep_latest_k_and_final_model_only(tmp_path: Path, assets: Path) -> None:
